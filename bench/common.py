@@ -1,0 +1,121 @@
+"""What every benchmark script shares: the machine's description, its measured ceilings, timing, JSON.
+
+Each ``bench/<op>.py`` checks its kernels against a float64 reference, times them and the peers the
+issue names, and writes ``<out_dir>/<op>.json``. Run one on the GPU machine as::
+
+    python bench/<op>.py --out bench/results
+
+Timing: ``triton.testing.do_bench`` (median of many runs, CUDA events, L2 flushed between runs) around
+a call that ends in ``block_until_ready()``. JAX launches on its own stream, so the events bracket the
+whole call: the figures include JAX's dispatch, which ``dispatch_overhead_ms`` in the JSON measures
+with an empty jitted function.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def parse_args(description: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--out", default="bench/results", help="folder for the JSON result")
+    parser.add_argument("--quick", action="store_true", help="small shapes, to try the script on CPU")
+    return parser.parse_args()
+
+
+def versions() -> dict[str, str]:
+    import triton
+
+    found = {"python": platform.python_version(), "jax": jax.__version__, "triton": triton.__version__}
+    try:
+        import jaxlib
+
+        found["jaxlib"] = jaxlib.__version__
+    except ImportError:
+        pass
+    try:
+        from importlib.metadata import version
+
+        found["jax_triton"] = version("jax-triton")
+    except Exception:
+        pass
+    return found
+
+
+def device_name() -> str:
+    device = jax.devices()[0]
+    return getattr(device, "device_kind", device.platform)
+
+
+def median_ms(fn: Callable[[], Any], warmup_ms: int = 50, rep_ms: int = 300) -> float:
+    """Median wall time of ``fn()`` in milliseconds, measured by ``triton.testing.do_bench``."""
+    import triton.testing
+
+    def run():
+        jax.block_until_ready(fn())
+
+    run()  # compile outside the measurement
+    return float(triton.testing.do_bench(run, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def dispatch_overhead_ms() -> float:
+    """Median time of a jitted function that does almost nothing: the floor under every figure."""
+    x = jnp.ones((8,), jnp.float32)
+    f = jax.jit(lambda a: a + 1)
+    return median_ms(lambda: f(x))
+
+
+def copy_bandwidth_gbs(n_bytes: int = 1 << 30) -> float:
+    """Measured device-memory bandwidth: an XLA elementwise op over ``n_bytes``, read + written."""
+    x = jax.random.normal(jax.random.key(0), (n_bytes // 2,), jnp.bfloat16)
+    f = jax.jit(lambda a: a * 1.5)
+    ms = median_ms(lambda: f(x))
+    return 2 * n_bytes / (ms * 1e-3) / 1e9
+
+
+def relative_error(out: Any, ref: Any) -> float:
+    """``‖out − ref‖ / ‖ref‖`` in float64; NaN anywhere in ``out`` gives ``inf``."""
+    out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
+    ref = np.asarray(jnp.asarray(ref, jnp.float32), np.float64)
+    if not np.all(np.isfinite(out)):
+        return float("inf")
+    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def write_result(out_dir: str, op: str, payload: dict[str, Any]) -> Path:
+    """Write ``<out_dir>/<op>.json`` with the machine, date and versions added to ``payload``."""
+    result = {
+        "op": op,
+        "device": device_name(),
+        "date": datetime.date.today().isoformat(),
+        "versions": versions(),
+        "command": " ".join(sys.argv),
+        **payload,
+    }
+    path = Path(out_dir) / f"{op}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2))
+    return path
+
+
+def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
+    widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns]
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
+    for r in rows:
+        print("  ".join(_fmt(r.get(c)).ljust(w) for c, w in zip(columns, widths)))
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return "" if v is None else str(v)

@@ -1,0 +1,22 @@
+"""ejk_lite: small, complete, differentiable Triton kernels for JAX.
+
+Importing the package settles how kernels run: through jax-triton on a CUDA GPU, or through
+Triton's interpreter on a machine without one (see :mod:`ejk_lite.launch`).
+"""
+
+from ejk_lite.launch import INTERPRETER, ON_GPU, triton_call  # first: settles TRITON_INTERPRET
+from ejk_lite.packing import (
+    cdiv,
+    identity_dtype_convert,
+    prepare_chunk_indices,
+    prepare_chunk_offsets,
+    prepare_cu_seqlens_from_mask,
+    prepare_lens,
+    prepare_lens_from_mask,
+    prepare_position_ids,
+    prepare_sequence_ids,
+    prepare_token_indices,
+    validate_cu_seqlens,
+)
+
+__version__ = "0.1.0"

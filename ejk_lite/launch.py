@@ -1,0 +1,210 @@
+"""One front door for launching Triton kernels from JAX, with or without a GPU.
+
+``triton_call`` has jax-triton's calling convention::
+
+    out = triton_call(x, y, n, kernel=add_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                      grid=(triton.cdiv(n, 1024),), BLOCK=1024)
+
+* positional arguments are the kernel's leading parameters, in order: JAX arrays become pointers,
+  Python ``int``/``float`` become scalar arguments;
+* one pointer per ``out_shape`` entry is appended **after** all positional arguments;
+* keywords that are not launch options are ``tl.constexpr`` meta-parameters;
+* ``grid`` is a tuple, or a callable that receives the meta-parameters and returns one.
+
+On a machine with a CUDA GPU the call goes to jax-triton, which compiles the kernel and embeds it
+in the XLA program. On a machine without one, the *same* ``@triton.jit`` function runs in Triton's
+interpreter (``TRITON_INTERPRET=1``), called from inside the XLA program through
+``jax.pure_callback``. Both paths compose with ``jax.jit`` and ``jax.custom_vjp``; neither has a
+JVP or batching rule of its own, so differentiable ops wrap their launches in ``custom_vjp``.
+
+The interpreter path differs from the GPU in three deliberate ways:
+
+* every output is filled with a poison value (NaN, or the most negative integer) before the
+  launch, so elements a kernel forgets to write show up in tests;
+* ``bfloat16`` tensors are handed to the kernel as ``float32`` (the interpreter's bf16 arithmetic
+  is wrong); results are rounded back to ``bfloat16`` afterwards;
+* an ``@triton.autotune`` kernel runs with its first config (there is no device to benchmark).
+
+Importing ``ejk_lite`` decides which path to use, once: if JAX sees no GPU it sets
+``TRITON_INTERPRET=1`` before any ejk_lite kernel is defined. Triton reads that variable each time
+``@triton.jit`` decorates a function, so kernels you define after ``import ejk_lite`` (in a notebook,
+say) are interpreted too. Set ``TRITON_INTERPRET=1`` yourself to force the interpreter on a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+
+def _jax_sees_a_gpu() -> bool:
+    try:
+        return any(device.platform == "gpu" for device in jax.devices())
+    except RuntimeError:  # no backend could be initialised at all
+        return False
+
+
+ON_GPU: bool = _jax_sees_a_gpu()
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+#: True when ``triton_call`` runs kernels in Triton's interpreter (no GPU, or forced by the user).
+INTERPRETER: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+import triton  # noqa: E402  (must come after TRITON_INTERPRET is settled)
+
+GridLike = tuple[int, ...] | Callable[[dict[str, Any]], tuple[int, ...]]
+
+
+def triton_call(
+    *args: Any,
+    kernel: Any,
+    out_shape: Any,
+    grid: GridLike,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    **metaparams: Any,
+) -> Any:
+    """Launch ``kernel`` on ``grid`` and return the arrays described by ``out_shape``.
+
+    ``out_shape`` is a ``jax.ShapeDtypeStruct`` (one output) or a list/tuple of them; the result
+    has the same structure. See the module docstring for the argument convention.
+    """
+    out_leaves, out_tree = jax.tree_util.tree_flatten(out_shape)
+    for i, leaf in enumerate(out_leaves):
+        if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
+            raise ValueError(f"out_shape[{i}] must have .shape and .dtype (a jax.ShapeDtypeStruct), got {leaf!r}")
+    for i, arg in enumerate(args):
+        if not (isinstance(arg, (int, float, bool, jax.Array, np.ndarray)) or hasattr(arg, "shape")):
+            raise ValueError(f"triton_call argument {i} must be an array or a Python int/float, got {type(arg)}")
+
+    resolved_grid = _resolve_grid(grid, kernel, metaparams)
+    if any(g == 0 for g in resolved_grid):
+        # Nothing to launch: every output stays poisoned, exactly as an unwritten element would.
+        outs = [jnp.full(s.shape, _poison(np.dtype(s.dtype)), s.dtype) for s in out_leaves]
+        return jax.tree_util.tree_unflatten(out_tree, outs)
+
+    if not INTERPRETER:
+        import jax_triton  # imported lazily: it needs a GPU jaxlib
+
+        return jax_triton.triton_call(
+            *args, kernel=kernel, out_shape=out_shape, grid=grid,
+            num_warps=num_warps, num_stages=num_stages, **metaparams,
+        )
+    outs = _interpret(args, kernel, out_leaves, resolved_grid, metaparams)
+    return jax.tree_util.tree_unflatten(out_tree, outs)
+
+
+# ----------------------------------------------------------------------------------------------
+# The interpreter path.
+# ----------------------------------------------------------------------------------------------
+
+
+def _first_config(kernel: Any, metaparams: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """Unwrap ``@triton.autotune``: the interpreter runs the first config's meta-parameters."""
+    if isinstance(kernel, triton.runtime.Autotuner):
+        config = kernel.configs[0]
+        return kernel.fn, {**config.kwargs, **metaparams}
+    return kernel, metaparams
+
+
+def _resolve_grid(grid: GridLike, kernel: Any, metaparams: dict[str, Any]) -> tuple[int, ...]:
+    _, full_metaparams = _first_config(kernel, metaparams)
+    resolved = grid(full_metaparams) if callable(grid) else grid
+    resolved = tuple(int(g) for g in (resolved if isinstance(resolved, Sequence) else (resolved,)))
+    if not 1 <= len(resolved) <= 3 or any(g < 0 for g in resolved):
+        raise ValueError(f"grid must be 1 to 3 non-negative ints, got {resolved}")
+    return resolved
+
+
+def _poison(dtype: np.dtype) -> Any:
+    if np.issubdtype(dtype, np.floating) or dtype == ml_dtypes.bfloat16:
+        return np.nan
+    if dtype == np.bool_:
+        return True
+    return np.iinfo(dtype).min
+
+
+def _host_dtype(dtype: np.dtype) -> np.dtype:
+    """The dtype a tensor has inside the interpreter: bf16 is widened to fp32."""
+    return np.dtype(np.float32) if dtype == ml_dtypes.bfloat16 else np.dtype(dtype)
+
+
+class _HostTensor:
+    """Just enough of ``torch.Tensor`` for Triton's interpreter, over a C-contiguous ndarray.
+
+    The interpreter copies each argument's storage "to the host", runs the kernel there and
+    copies back. Our arrays already live on the host, so the storage is the array itself and the
+    copies are no-ops.
+    """
+
+    def __init__(self, array: np.ndarray):
+        self.array = array
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.array.dtype
+
+    def data_ptr(self) -> int:
+        return self.array.ctypes.data
+
+    def untyped_storage(self) -> _HostTensor:
+        return self
+
+    def cpu(self) -> _HostTensor:
+        return self
+
+    def storage_offset(self) -> int:
+        return 0
+
+    def size(self) -> tuple[int, ...]:
+        return self.array.shape
+
+    def stride(self) -> tuple[int, ...]:
+        return tuple(s // self.array.itemsize for s in self.array.strides)
+
+    def element_size(self) -> int:
+        return self.array.itemsize
+
+    def new_empty(self, *_shape: Any, **_kwargs: Any) -> _HostTensor:
+        return _HostTensor(np.empty(0, self.array.dtype))
+
+    def set_(self, storage: _HostTensor, *_layout: Any) -> _HostTensor:
+        self.array = storage.array
+        return self
+
+    def copy_(self, other: _HostTensor) -> _HostTensor:
+        if other.array is not self.array:
+            np.copyto(self.array, other.array)
+        return self
+
+
+# The interpreter patches triton.language while a kernel runs: one launch at a time.
+_INTERPRETER_LOCK = threading.Lock()
+
+
+def _interpret(args, kernel, out_leaves, grid, metaparams):
+    fn, metaparams = _first_config(kernel, metaparams)
+    array_positions = [i for i, a in enumerate(args) if not isinstance(a, (int, float, bool))]
+    arrays = [args[i] for i in array_positions]
+    out_dtypes = [np.dtype(s.dtype) for s in out_leaves]
+
+    def run_on_host(*host_arrays):
+        call_args = list(args)
+        for i, a in zip(array_positions, host_arrays):
+            a = np.asarray(a)
+            call_args[i] = _HostTensor(np.array(a, dtype=_host_dtype(a.dtype), order="C", copy=True))
+        outs = [np.full(s.shape, _poison(d), dtype=_host_dtype(d)) for s, d in zip(out_leaves, out_dtypes)]
+        with _INTERPRETER_LOCK:
+            fn[grid](*call_args, *[_HostTensor(o) for o in outs], **metaparams)
+        return tuple(o.astype(d) for o, d in zip(outs, out_dtypes))
+
+    result_shapes = tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in out_leaves)
+    return list(jax.pure_callback(run_on_host, result_shapes, *arrays))

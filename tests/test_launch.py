@@ -1,0 +1,102 @@
+"""The triton_call front door: argument convention, poisoning, dtypes, jit and custom_vjp."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import triton
+import triton.language as tl
+
+from ejk_lite import INTERPRETER, triton_call
+from conftest import rel_err
+
+
+@triton.jit
+def axpy_kernel(x_ptr, y_ptr, n, alpha, out_ptr, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    x = tl.load(x_ptr + offsets, mask=mask).to(tl.float32)
+    y = tl.load(y_ptr + offsets, mask=mask).to(tl.float32)
+    tl.store(out_ptr + offsets, (alpha * x + y).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def axpy(alpha, x, y, n=None):
+    n = x.size if n is None else n
+    return triton_call(
+        x, y, n, alpha,
+        kernel=axpy_kernel,
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        grid=lambda meta: (triton.cdiv(x.size, meta["BLOCK"]),),
+        BLOCK=128,
+    )
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_scalar_arguments_and_dtypes(rng, dtype):
+    x = rng.standard_normal(1000).astype(np.float32)
+    y = rng.standard_normal(1000).astype(np.float32)
+    alpha = float(rng.uniform(0.5, 2.0))
+    out = jax.jit(axpy, static_argnums=0)(alpha, jnp.asarray(x, dtype), jnp.asarray(y, dtype))
+    assert out.dtype == jnp.dtype(dtype)
+    ref = alpha * np.asarray(jnp.asarray(x, dtype), np.float64) + np.asarray(jnp.asarray(y, dtype), np.float64)
+    tol = {"float32": 1e-6, "float16": 1e-3, "bfloat16": 8e-3}[dtype]
+    assert rel_err(np.asarray(out, np.float64), ref) < tol
+
+
+@pytest.mark.skipif(not INTERPRETER, reason="poisoning is a feature of the interpreter path")
+def test_unwritten_elements_are_nan(rng):
+    x = jnp.asarray(rng.standard_normal(300), jnp.float32)
+    out = np.asarray(axpy(2.0, x, x, n=299))  # the kernel is told to stop one element short
+    assert np.isnan(out[-1])
+    assert not np.isnan(out[:-1]).any()
+
+
+@triton.jit
+def two_outputs_kernel(x_ptr, n, sum_ptr, idx_ptr, BLOCK: tl.constexpr):
+    offsets = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offsets, mask=offsets < n, other=0.0)
+    tl.store(sum_ptr, tl.sum(x, axis=0))
+    tl.store(idx_ptr + offsets, offsets, mask=offsets < n)
+
+
+def test_several_outputs_and_int_dtypes(rng):
+    x = jnp.asarray(rng.standard_normal(50), jnp.float32)
+    total, idx = triton_call(
+        x, 50, kernel=two_outputs_kernel, grid=(1,), BLOCK=64,
+        out_shape=(jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct((50,), jnp.int32)),
+    )
+    np.testing.assert_allclose(float(total), float(np.asarray(x, np.float64).sum()), rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(idx), np.arange(50))
+
+
+def test_custom_vjp_and_grad(rng):
+    @jax.custom_vjp
+    def scaled_add(x, y):
+        return axpy(3.0, x, y)
+
+    scaled_add.defvjp(lambda x, y: (scaled_add(x, y), None), lambda _, g: (axpy(3.0, g, jnp.zeros_like(g)), g))
+    x = jnp.asarray(rng.standard_normal(200), jnp.float32)
+    y = jnp.asarray(rng.standard_normal(200), jnp.float32)
+    w = jnp.asarray(rng.standard_normal(200), jnp.float32)
+    gx, gy = jax.jit(jax.grad(lambda a, b: jnp.sum(w * scaled_add(a, b)), argnums=(0, 1)))(x, y)
+    np.testing.assert_allclose(np.asarray(gx), 3.0 * np.asarray(w), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(gy), np.asarray(w), rtol=1e-6)
+
+
+@triton.autotune(configs=[triton.Config({"BLOCK": 64}), triton.Config({"BLOCK": 256})], key=["n"])
+@triton.jit
+def autotuned_copy_kernel(x_ptr, n, out_ptr, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + offsets, tl.load(x_ptr + offsets, mask=offsets < n), mask=offsets < n)
+
+
+def test_autotuned_kernel(rng):
+    x = jnp.asarray(rng.standard_normal(1000), jnp.float32)
+    out = triton_call(x, x.size, kernel=autotuned_copy_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                      grid=lambda meta: (triton.cdiv(x.size, meta["BLOCK"]),))
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(x))
+
+
+def test_bad_out_shape_is_a_value_error():
+    with pytest.raises(ValueError, match="out_shape"):
+        triton_call(jnp.ones(4), kernel=axpy_kernel, out_shape=(4,), grid=(1,))
