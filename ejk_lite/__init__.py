@@ -18,5 +18,8 @@ from ejk_lite.packing import (
     prepare_token_indices,
     validate_cu_seqlens,
 )
+from ejk_lite.cumsum import chunk_global_cumsum, chunk_local_cumsum
+from ejk_lite.mean_pooling import block_mean_pooling, mean_pooling
+from ejk_lite.recurrent import recurrent
 
 __version__ = "0.1.0"
