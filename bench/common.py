@@ -6,9 +6,9 @@ issue names, and writes ``<out_dir>/<op>.json``. Run one on the GPU machine as::
     python bench/<op>.py --out bench/results
 
 Timing: ``triton.testing.do_bench`` (median of many runs, CUDA events, L2 flushed between runs) around
-a call that ends in ``block_until_ready()``. JAX launches on its own stream, so the events bracket the
-whole call: the figures include JAX's dispatch, which ``dispatch_overhead_ms`` in the JSON measures
-with an empty jitted function.
+a few queued calls that end in ``block_until_ready()``. JAX launches on its own stream, so the events
+bracket the whole batch; per-call dispatch that the GPU cannot hide shows in the figures, and
+``dispatch_overhead_ms`` (an empty jitted function) says how much that can be.
 """
 
 from __future__ import annotations
@@ -57,15 +57,22 @@ def device_name() -> str:
     return getattr(device, "device_kind", device.platform)
 
 
-def median_ms(fn: Callable[[], Any], warmup_ms: int = 50, rep_ms: int = 300) -> float:
-    """Median wall time of ``fn()`` in milliseconds, measured by ``triton.testing.do_bench``."""
+def median_ms(fn: Callable[[], Any], warmup_ms: int = 50, rep_ms: int = 300, calls: int = 8) -> float:
+    """Median time of one ``fn()`` in milliseconds, measured by ``triton.testing.do_bench``.
+
+    Each timed run queues ``calls`` calls (JAX dispatches asynchronously) and then waits for the
+    last one, so the GPU stays busy and a host round trip is paid once per run, not per call.
+    """
     import triton.testing
 
     def run():
-        jax.block_until_ready(fn())
+        out = None
+        for _ in range(calls):
+            out = fn()
+        jax.block_until_ready(out)
 
     run()  # compile outside the measurement
-    return float(triton.testing.do_bench(run, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+    return float(triton.testing.do_bench(run, warmup=warmup_ms, rep=rep_ms, return_mode="median")) / calls
 
 
 def dispatch_overhead_ms() -> float:
