@@ -99,8 +99,34 @@ def relative_error(out: Any, ref: Any) -> float:
     return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
+def row(name: str, impl: str, direction: str, shape: Any, dtype: str, median: float,
+        bytes_moved: float | None = None, flops: float | None = None, copy_gbs: float | None = None,
+        rel_err: float | None = None, **extra: Any) -> dict[str, Any]:
+    """One measurement in the common schema the *Performance* chapter plots.
+
+    ``direction`` is "fwd", "bwd" or "fwd+bwd"; ``impl`` names the implementation ("triton", "xla",
+    "scan", "fla", ...). ``bytes_moved`` is the fewest bytes the op must move (each input read once,
+    each output written once): GB/s and % of the measured copy bandwidth follow from it.
+    """
+    result = {"name": name, "impl": impl, "direction": direction, "shape": str(shape), "dtype": dtype,
+              "median_ms": median, "rel_err": rel_err}
+    if bytes_moved is not None:
+        result["bytes"] = bytes_moved
+        result["gbs"] = bytes_moved / (median * 1e-3) / 1e9
+        if copy_gbs:
+            result["pct_of_copy"] = 100 * result["gbs"] / copy_gbs
+    if flops is not None:
+        result["tflops"] = flops / (median * 1e-3) / 1e12
+    result.update(extra)
+    return result
+
+
 def write_result(out_dir: str, op: str, payload: dict[str, Any]) -> Path:
-    """Write ``<out_dir>/<op>.json`` with the machine, date and versions added to ``payload``."""
+    """Write ``<out_dir>/<op>.json`` with the machine, date and versions added to ``payload``.
+
+    ``payload`` should hold ``rows`` (a list of :func:`row` dicts) and the ceilings it was measured
+    against (``copy_bandwidth_gbs``, ``dispatch_overhead_ms``).
+    """
     result = {
         "op": op,
         "device": device_name(),
