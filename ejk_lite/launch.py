@@ -28,12 +28,17 @@ The interpreter path differs from the GPU in three deliberate ways:
 Importing ``ejk_lite`` decides which path to use, once: if JAX sees no GPU it sets
 ``TRITON_INTERPRET=1`` before any ejk_lite kernel is defined. Triton reads that variable each time
 ``@triton.jit`` decorates a function, so kernels you define after ``import ejk_lite`` (in a notebook,
-say) are interpreted too. Set ``TRITON_INTERPRET=1`` yourself to force the interpreter on a GPU.
+say) are interpreted too. Triton's own library (``tl.sum``, ``tl.cumsum``, ...) is made of ``@jit``
+functions decorated when ``triton`` is first imported, so on a machine without a GPU
+``import ejk_lite`` must come before ``import triton`` (or set ``TRITON_INTERPRET=1`` yourself); the
+import says so if it comes too late. Set ``TRITON_INTERPRET=1`` yourself to force the interpreter on
+a GPU.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -52,7 +57,12 @@ def _jax_sees_a_gpu() -> bool:
 
 
 ON_GPU: bool = _jax_sees_a_gpu()
-if not ON_GPU:
+if not ON_GPU and os.environ.get("TRITON_INTERPRET", "0") != "1":
+    if "triton" in sys.modules:
+        raise ImportError(
+            "ejk_lite: JAX sees no GPU, so Triton kernels must run in Triton's interpreter, but triton was "
+            "imported before ejk_lite without TRITON_INTERPRET=1 and its library is already compiled-mode. "
+            "Import ejk_lite before triton, or set TRITON_INTERPRET=1 before starting Python.")
     os.environ["TRITON_INTERPRET"] = "1"
 
 #: True when ``triton_call`` runs kernels in Triton's interpreter (no GPU, or forced by the user).

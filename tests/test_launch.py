@@ -100,3 +100,16 @@ def test_autotuned_kernel(rng):
 def test_bad_out_shape_is_a_value_error():
     with pytest.raises(ValueError, match="out_shape"):
         triton_call(jnp.ones(4), kernel=axpy_kernel, out_shape=(4,), grid=(1,))
+
+
+@pytest.mark.skipif(not INTERPRETER, reason="only a machine without a GPU switches to the interpreter")
+def test_importing_triton_first_is_a_clear_error():
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", "import triton; import ejk_lite"],
+                            capture_output=True, text=True, env=env)
+    assert result.returncode != 0
+    assert "Import ejk_lite before triton" in result.stderr
