@@ -1,0 +1,278 @@
+"""chunk_local_cumsum / chunk_global_cumsum: both implementations against float64 NumPy loops."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import TOLERANCE, rel_err
+from ejk_lite import chunk_global_cumsum, chunk_local_cumsum
+from ejk_lite.cumsum import reference_global_cumsum, reference_local_cumsum
+
+IMPLS = ["xla", "triton"]
+OPS = ["local", "global"]
+
+
+def numpy_cumsum(x, chunk_size=None, reverse=False, scale=None, cu_seqlens=None, head_first=False):
+    """The definition, in float64 loops: walk each chunk (or whole sequence) keeping a running sum.
+
+    Tokens past cu_seqlens[-1] belong to no sequence and stay 0.
+    """
+    x = np.asarray(x, np.float64)
+    if head_first:
+        x = np.swapaxes(x, 1, 2)  # put the tokens on axis 1
+    out = np.zeros_like(x)
+    batch, tokens = x.shape[:2]
+    bounds = [0, tokens] if cu_seqlens is None else [int(c) for c in cu_seqlens]
+    for b in range(batch):
+        for bos, eos in zip(bounds[:-1], bounds[1:]):
+            step = eos - bos if chunk_size is None else chunk_size
+            for chunk_start in range(bos, eos, max(step, 1)):
+                chunk = list(range(chunk_start, min(chunk_start + step, eos)))
+                running = np.zeros(x.shape[2:])
+                for t in (reversed(chunk) if reverse else chunk):
+                    running = running + x[b, t]
+                    out[b, t] = running
+    if scale is not None:
+        out = out * scale
+    return np.swapaxes(out, 1, 2) if head_first else out
+
+
+def run(op, x, impl, chunk_size=16, reverse=False, scale=None, cu_seqlens=None, head_first=False, output_dtype=None):
+    if op == "local":
+        return chunk_local_cumsum(x, chunk_size, reverse=reverse, softmax_scale=scale, cu_seqlens=cu_seqlens,
+                                  head_first=head_first, output_dtype=output_dtype, impl=impl)
+    return chunk_global_cumsum(x, reverse=reverse, cu_seqlens=cu_seqlens, softmax_scale=scale,
+                               head_first=head_first, output_dtype=output_dtype, impl=impl)
+
+
+def expected(op, x, chunk_size=16, **kw):
+    return numpy_cumsum(x, chunk_size if op == "local" else None, **kw)
+
+
+def make_input(rng, shape, dtype="float32"):
+    return jnp.asarray(rng.standard_normal(shape), dtype)
+
+
+def shape_of(layout, batch, tokens, heads=3, features=5):
+    return {"scalar": (batch, tokens, heads), "vector": (batch, tokens, heads, features),
+            "scalar_head_first": (batch, heads, tokens), "vector_head_first": (batch, heads, tokens, features)}[layout]
+
+
+def cu_from_lengths(lengths):
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+
+
+LAYOUTS = ["scalar", "vector", "scalar_head_first", "vector_head_first"]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("reverse", [False, True])
+def test_matches_numpy(rng, impl, op, layout, reverse):
+    head_first = layout.endswith("head_first")
+    x = make_input(rng, shape_of(layout, batch=2, tokens=75))  # 75: not a multiple of the chunk
+    out = run(op, x, impl, reverse=reverse, head_first=head_first)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    assert rel_err(out, expected(op, x, reverse=reverse, head_first=head_first)) < TOLERANCE["float32"]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_reverse_global_cumsum_of_packed_sequences_exactly(impl):
+    s = jnp.asarray([1.0, 2.0, 3.0, 4.0]).reshape(1, 4, 1)
+    cu = jnp.asarray([0, 1, 4])
+    np.testing.assert_array_equal(np.asarray(chunk_global_cumsum(s, reverse=True, cu_seqlens=cu, impl=impl)).ravel(),
+                                  [1, 9, 7, 4])
+    np.testing.assert_array_equal(np.asarray(chunk_global_cumsum(s, cu_seqlens=cu, impl=impl)).ravel(), [1, 2, 5, 9])
+    np.testing.assert_array_equal(np.asarray(chunk_local_cumsum(s, 2, reverse=True, cu_seqlens=cu, impl=impl)).ravel(),
+                                  [1, 5, 3, 4])
+
+
+# Zero-length and one-token sequences, a sequence longer than two 64-token blocks, and 3 padding
+# tokens past cu_seqlens[-1].
+VARLEN_LENGTHS = [0, 1, 130, 0, 20, 1]
+VARLEN_PADDING = 3
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("op,chunk_size", [("local", 16), ("local", 128), ("global", None)])
+@pytest.mark.parametrize("layout", ["scalar", "vector_head_first"])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_packed_sequences(rng, impl, op, chunk_size, layout, reverse):
+    cu = cu_from_lengths(VARLEN_LENGTHS)
+    head_first = layout.endswith("head_first")
+    x = make_input(rng, shape_of(layout, batch=1, tokens=int(cu[-1]) + VARLEN_PADDING, features=4))
+    out = run(op, x, impl, chunk_size=chunk_size, reverse=reverse, cu_seqlens=jnp.asarray(cu), head_first=head_first)
+    ref = expected(op, x, chunk_size=chunk_size, reverse=reverse, cu_seqlens=cu, head_first=head_first)
+    assert rel_err(out, ref) < TOLERANCE["float32"]
+    padding = np.asarray(out)[:, :, -VARLEN_PADDING:] if head_first else np.asarray(out)[:, -VARLEN_PADDING:]
+    assert np.all(padding == 0), "tokens past cu_seqlens[-1] must be 0"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("reverse", [False, True])
+def test_chunks_of_one_token(rng, impl, reverse):
+    cu = cu_from_lengths([3, 0, 1, 4])
+    x = make_input(rng, (1, 10, 2))
+    out = run("local", x, impl, chunk_size=1, reverse=reverse, scale=2.0, cu_seqlens=jnp.asarray(cu))
+    assert rel_err(out, numpy_cumsum(x, 1, reverse=reverse, scale=2.0, cu_seqlens=cu)) < TOLERANCE["float32"]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_dtypes(rng, impl, op, dtype):
+    x = make_input(rng, (2, 90, 4, 3), dtype)
+    out = run(op, x, impl, reverse=True)
+    assert out.dtype == jnp.dtype(dtype)
+    assert rel_err(out, expected(op, x, reverse=True)) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("op", OPS)
+def test_output_dtype_and_float32_accumulation(rng, impl, op):
+    # bf16 inputs, float32 output: the sums of 300 tokens must be float32-accurate, which only an
+    # float32 accumulator gives (a bf16 one would be off by about 1e-2).
+    x = make_input(rng, (1, 300, 2), "bfloat16")
+    out = run(op, x, impl, chunk_size=256, output_dtype=jnp.float32)
+    assert out.dtype == jnp.float32
+    assert rel_err(out, expected(op, x, chunk_size=256)) < TOLERANCE["float32"]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("op", OPS)
+def test_softmax_scale(rng, impl, op):
+    scale = float(rng.uniform(0.1, 2.0))
+    cu = cu_from_lengths([5, 0, 40])
+    x = make_input(rng, (1, 45, 2, 3))
+    out = run(op, x, impl, scale=scale, cu_seqlens=jnp.asarray(cu))
+    assert rel_err(out, expected(op, x, scale=scale, cu_seqlens=cu)) < TOLERANCE["float32"]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("op", OPS)
+def test_jit_with_traced_cu_seqlens(rng, impl, op):
+    traces = []
+
+    @jax.jit
+    def f(x, cu):
+        traces.append(1)
+        return run(op, x, impl, chunk_size=8, reverse=True, cu_seqlens=cu)
+
+    x = make_input(rng, (1, 50, 3))
+    for lengths in ([10, 0, 33, 1, 6], [1, 1, 0, 17, 25]):  # same number of sequences: one trace
+        cu = cu_from_lengths(lengths)
+        out = f(x, jnp.asarray(cu))
+        assert rel_err(out, expected(op, x, chunk_size=8, reverse=True, cu_seqlens=cu)) < TOLERANCE["float32"]
+    assert len(traces) == 1
+
+
+def reference(op, x, chunk_size=16, **kw):
+    if op == "local":
+        return reference_local_cumsum(x, chunk_size, **kw)
+    return reference_global_cumsum(x, **kw)
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("reverse", [False, True])
+def test_reference_matches_numpy(rng, op, reverse):
+    cu = cu_from_lengths([7, 0, 1, 30])
+    x = make_input(rng, (1, 3, 40, 2))
+    kw = dict(reverse=reverse, cu_seqlens=cu, head_first=True)
+    assert rel_err(reference(op, x, softmax_scale=0.5, **kw), expected(op, x, scale=0.5, **kw)) < TOLERANCE["float32"]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("case", ["dense_reverse", "packed_vector_head_first"])
+def test_gradients_match_float64_autodiff(rng, impl, op, case):
+    if case == "dense_reverse":
+        shape, kw = (2, 70, 3), dict(reverse=True)
+    else:
+        shape, kw = (1, 2, 70, 3), dict(cu_seqlens=cu_from_lengths([0, 33, 1, 30]), head_first=True)
+    x = make_input(rng, shape)
+    weights = make_input(rng, shape)  # grad of sum(weights * out): a cotangent that is not all ones
+    scale = 0.7
+
+    def loss(x):
+        return jnp.sum(weights * run(op, x, impl, scale=scale, **kw))
+
+    grad = jax.jit(jax.grad(loss))(x)
+    with jax.enable_x64(True):
+        x64, w64 = (jnp.asarray(np.asarray(a), jnp.float64) for a in (x, weights))
+        ref = jax.grad(lambda x: jnp.sum(w64 * reference(op, x, softmax_scale=scale, **kw)))(x64)
+        ref = np.asarray(ref)
+    assert grad.dtype == x.dtype
+    assert rel_err(grad, ref) < TOLERANCE["float32"]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_gradient_has_the_input_dtype(rng, impl):
+    x = make_input(rng, (1, 20, 2), "bfloat16")
+    grad = jax.grad(lambda x: jnp.sum(chunk_local_cumsum(x, 8, output_dtype=jnp.float32, impl=impl)))(x)
+    assert grad.dtype == jnp.bfloat16
+    # The gradient of sum(cumsum(x)) is the reverse cumsum of ones: small integers, exact in bf16.
+    np.testing.assert_array_equal(np.asarray(grad, np.float32), numpy_cumsum(np.ones(x.shape), 8, reverse=True))
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 20), min_size=1, max_size=5),
+    padding=st.integers(0, 3),
+    chunk_size=st.sampled_from([1, 2, 4, 8, 32]),
+    reverse=st.booleans(),
+    op=st.sampled_from(OPS),
+    layout=st.sampled_from(LAYOUTS),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_random_packings(lengths, padding, chunk_size, reverse, op, layout, seed):
+    cu = cu_from_lengths(lengths)
+    head_first = layout.endswith("head_first")
+    shape = shape_of(layout, batch=1, tokens=int(cu[-1]) + padding, heads=2, features=3)
+    x = make_input(np.random.default_rng(seed), shape)
+    kw = dict(chunk_size=chunk_size, reverse=reverse, cu_seqlens=cu, head_first=head_first)
+    ref = expected(op, x, **kw)
+    for impl in IMPLS:
+        out = run(op, x, impl, **{**kw, "cu_seqlens": jnp.asarray(cu)})
+        if x.size == 0:
+            assert out.shape == x.shape
+        else:
+            assert rel_err(out, ref) < TOLERANCE["float32"], impl
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("op", OPS)
+def test_empty_inputs(impl, op):
+    for x, cu in [(jnp.zeros((2, 0, 3)), None), (jnp.zeros((1, 0, 3, 2)), jnp.asarray([0, 0, 0]))]:
+        out = run(op, x, impl, cu_seqlens=cu)
+        assert out.shape == x.shape and out.dtype == x.dtype
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_bad_arguments_raise_value_errors(impl):
+    x = jnp.ones((1, 8, 2))
+    cases = [
+        ("chunk_size", lambda: chunk_local_cumsum(x, 3, impl=impl)),
+        ("chunk_size", lambda: chunk_local_cumsum(x, 0, impl=impl)),
+        ("chunk_size", lambda: chunk_local_cumsum(x, 4.0, impl=impl)),
+        ("chunk_size", lambda: chunk_local_cumsum(x, True, impl=impl)),
+        ("g", lambda: chunk_local_cumsum(jnp.ones((8, 2)), 4, impl=impl)),
+        ("s", lambda: chunk_global_cumsum(jnp.ones((1, 8, 2, 2, 2)), impl=impl)),
+        ("s", lambda: chunk_global_cumsum(jnp.ones((1, 8, 2), jnp.int32), impl=impl)),
+        ("batch", lambda: chunk_global_cumsum(jnp.ones((2, 8, 2)), cu_seqlens=jnp.asarray([0, 8]), impl=impl)),
+        ("cu_seqlens", lambda: chunk_global_cumsum(x, cu_seqlens=jnp.asarray([1, 8]), impl=impl)),
+        ("cu_seqlens", lambda: chunk_local_cumsum(x, 4, cu_seqlens=jnp.asarray([0, 5, 3]), impl=impl)),
+        ("cu_seqlens", lambda: chunk_local_cumsum(x, 4, cu_seqlens=jnp.asarray([0, 9]), impl=impl)),
+        ("cu_seqlens", lambda: chunk_global_cumsum(x, cu_seqlens=jnp.asarray([0.0, 8.0]), impl=impl)),
+        ("cu_seqlens", lambda: chunk_global_cumsum(x, cu_seqlens=jnp.asarray([[0, 8]]), impl=impl)),
+        ("softmax_scale", lambda: chunk_global_cumsum(x, softmax_scale="big", impl=impl)),
+        ("output_dtype", lambda: chunk_global_cumsum(x, output_dtype=jnp.int32, impl=impl)),
+    ]
+    for name, call in cases:
+        with pytest.raises(ValueError, match=name):
+            call()
+    with pytest.raises(ValueError, match="impl"):
+        chunk_global_cumsum(x, impl="cuda")
