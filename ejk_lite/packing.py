@@ -63,6 +63,9 @@ def validate_cu_seqlens(cu_seqlens: Any, total_tokens: int | None = None, name: 
 
 def _static_size(size: int | None, derive, what: str, argname: str, fn: str) -> int:
     if size is not None:
+        if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 0:
+            raise ValueError(f"{fn}: {argname} must be a non-negative Python int (static under jax.jit), "
+                             f"got {size!r}")
         return int(size)
     values = derive()
     if values is None:
@@ -73,6 +76,7 @@ def _static_size(size: int | None, derive, what: str, argname: str, fn: str) -> 
 
 def prepare_lens(cu_seqlens: Array) -> Array:
     """Length of each sequence: ``cu_seqlens[1:] - cu_seqlens[:-1]``."""
+    cu_seqlens = jnp.asarray(cu_seqlens)
     return cu_seqlens[1:] - cu_seqlens[:-1]
 
 
@@ -94,28 +98,43 @@ def prepare_sequence_ids(cu_seqlens: Array, total_tokens: int | None = None) -> 
     the number of sequence *ends* at or before ``t``, which skips empty sequences correctly.
     Tokens at or past ``cu_seqlens[-1]`` (padding, when ``total_tokens`` is larger) get ``-1``.
     """
-    total_tokens = _static_size(total_tokens, lambda: _last(cu_seqlens), "tokens", "total_tokens",
-                                "prepare_sequence_ids")
+    cu_seqlens, total_tokens = _token_args(cu_seqlens, total_tokens, "prepare_sequence_ids")
+    return _sequence_ids(cu_seqlens, total_tokens)
+
+
+def prepare_position_ids(cu_seqlens: Array, total_tokens: int | None = None) -> Array:
+    """Position of each token inside its sequence, e.g. ``[0, 1, 2, 0, 1, ...]``; ``-1`` for padding."""
+    cu_seqlens, total_tokens = _token_args(cu_seqlens, total_tokens, "prepare_position_ids")
+    return _position_ids(cu_seqlens, _sequence_ids(cu_seqlens, total_tokens))
+
+
+def prepare_token_indices(cu_seqlens: Array, total_tokens: int | None = None) -> Array:
+    """``[total_tokens, 2]`` rows of ``(sequence_id, position_id)``."""
+    cu_seqlens, total_tokens = _token_args(cu_seqlens, total_tokens, "prepare_token_indices")
+    seq = _sequence_ids(cu_seqlens, total_tokens)
+    return jnp.stack([seq, _position_ids(cu_seqlens, seq)], axis=1)
+
+
+def _token_args(cu_seqlens: Any, total_tokens: int | None, fn: str) -> tuple[Array, int]:
+    """Validate ``cu_seqlens`` and settle the (static) number of tokens for a per-token function."""
+    cu_seqlens = jnp.asarray(cu_seqlens)
+    validate_cu_seqlens(cu_seqlens)
+    total_tokens = _static_size(total_tokens, lambda: _last(cu_seqlens), "tokens", "total_tokens", fn)
+    last = _last(cu_seqlens)
+    if last is not None and last > total_tokens:
+        raise ValueError(f"{fn}: total_tokens={total_tokens} is less than cu_seqlens[-1] = {last}")
+    return cu_seqlens, total_tokens
+
+
+def _sequence_ids(cu_seqlens: Array, total_tokens: int) -> Array:
     tokens = jnp.arange(total_tokens, dtype=cu_seqlens.dtype)
     ids = jnp.searchsorted(cu_seqlens[1:], tokens, side="right").astype(cu_seqlens.dtype)
     return jnp.where(tokens < cu_seqlens[-1], ids, -1)
 
 
-def prepare_position_ids(cu_seqlens: Array, total_tokens: int | None = None) -> Array:
-    """Position of each token inside its sequence, e.g. ``[0, 1, 2, 0, 1, ...]``; ``-1`` for padding."""
-    total_tokens = _static_size(total_tokens, lambda: _last(cu_seqlens), "tokens", "total_tokens",
-                                "prepare_position_ids")
-    seq = prepare_sequence_ids(cu_seqlens, total_tokens)
-    tokens = jnp.arange(total_tokens, dtype=cu_seqlens.dtype)
-    return jnp.where(seq >= 0, tokens - cu_seqlens[jnp.maximum(seq, 0)], -1)
-
-
-def prepare_token_indices(cu_seqlens: Array, total_tokens: int | None = None) -> Array:
-    """``[total_tokens, 2]`` rows of ``(sequence_id, position_id)``."""
-    total_tokens = _static_size(total_tokens, lambda: _last(cu_seqlens), "tokens", "total_tokens",
-                                "prepare_token_indices")
-    return jnp.stack([prepare_sequence_ids(cu_seqlens, total_tokens),
-                      prepare_position_ids(cu_seqlens, total_tokens)], axis=1)
+def _position_ids(cu_seqlens: Array, sequence_ids: Array) -> Array:
+    tokens = jnp.arange(sequence_ids.shape[0], dtype=cu_seqlens.dtype)
+    return jnp.where(sequence_ids >= 0, tokens - cu_seqlens[jnp.maximum(sequence_ids, 0)], -1)
 
 
 def prepare_chunk_offsets(cu_seqlens: Array, chunk_size: int) -> Array:
@@ -124,6 +143,8 @@ def prepare_chunk_offsets(cu_seqlens: Array, chunk_size: int) -> Array:
     Sequence ``i`` is cut into ``n_i = ceil(len_i / chunk_size)`` chunks (zero for an empty one).
     """
     _check_chunk_size(chunk_size)
+    cu_seqlens = jnp.asarray(cu_seqlens)
+    validate_cu_seqlens(cu_seqlens)
     counts = cdiv(prepare_lens(cu_seqlens), chunk_size)
     return jnp.concatenate([jnp.zeros((1,), cu_seqlens.dtype), jnp.cumsum(counts).astype(cu_seqlens.dtype)])
 
@@ -134,9 +155,14 @@ def prepare_chunk_indices(cu_seqlens: Array, chunk_size: int, total_chunks: int 
     This is the work list of a kernel with one program per chunk: program ``p`` handles tokens
     ``cu_seqlens[s] + c * chunk_size`` up to the end of that chunk, where ``(s, c)`` is row ``p``.
     """
+    cu_seqlens = jnp.asarray(cu_seqlens)
     offsets = prepare_chunk_offsets(cu_seqlens, chunk_size)
     total_chunks = _static_size(total_chunks, lambda: _last(offsets), "chunks", "total_chunks",
                                 "prepare_chunk_indices")
+    needed = _last(offsets)
+    if needed is not None and total_chunks < needed:
+        raise ValueError(f"prepare_chunk_indices: total_chunks={total_chunks} is less than the {needed} chunks "
+                         f"of cu_seqlens with chunk_size={chunk_size}")
     chunks = jnp.arange(total_chunks, dtype=cu_seqlens.dtype)
     seq = jnp.searchsorted(offsets[1:], chunks, side="right").astype(cu_seqlens.dtype)
     seq_clamped = jnp.minimum(seq, offsets.shape[0] - 2)
@@ -171,5 +197,5 @@ def _last(x: Array) -> int | None:
 
 
 def _check_chunk_size(chunk_size: Any) -> None:
-    if not isinstance(chunk_size, (int, np.integer)) or chunk_size <= 0:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) or chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
