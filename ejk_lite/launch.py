@@ -102,14 +102,28 @@ def triton_call(
         return jax.tree_util.tree_unflatten(out_tree, outs)
 
     if not INTERPRETER:
-        import jax_triton  # imported lazily: it needs a GPU jaxlib
-
-        return jax_triton.triton_call(
+        return _import_jax_triton().triton_call(
             *args, kernel=kernel, out_shape=out_shape, grid=grid,
             num_warps=num_warps, num_stages=num_stages, **metaparams,
         )
     outs = _interpret(args, kernel, out_leaves, resolved_grid, metaparams)
     return jax.tree_util.tree_unflatten(out_tree, outs)
+
+
+def _import_jax_triton():
+    """Import jax-triton (lazily: it needs a GPU jaxlib), keeping Triton's cache directory.
+
+    jax-triton 0.3.1 sets ``TRITON_CACHE_DIR`` to ``""`` when imported; after that Triton's own
+    runtime (``triton.testing.do_bench``, PyTorch Triton kernels in the same process) can no
+    longer compile anything. Put back what was there, or Triton's default. (Measured on an H100
+    with triton 3.6.0: jax-triton's launches work the same with the directory restored.)
+    """
+    if "jax_triton" not in sys.modules:
+        cache_dir = os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
+        import jax_triton  # noqa: F401
+
+        os.environ["TRITON_CACHE_DIR"] = cache_dir
+    return sys.modules["jax_triton"]
 
 
 # ----------------------------------------------------------------------------------------------
