@@ -114,6 +114,26 @@ def test_triton_token_tiles_and_feature_tiles(rng, tokens_per_program, packed):
     assert rel_err(out, ref) < TOLERANCE["float32"]
 
 
+def test_triton_forward_and_backward_tiles_differ(rng, monkeypatch):
+    """The forward and the backward cut the tokens into tiles of their own sizes (fewer, longer
+    programs forward): both must cover every token, sequences crossing either kind of edge."""
+    monkeypatch.setattr(pooling, "_FORWARD_PROGRAMS", 4)
+    monkeypatch.setattr(pooling, "_BACKWARD_PROGRAMS", 32)
+    cu = cu_from_lengths(LENGTHS + [40, 2, 23])
+    x, x64 = random_x(rng, (cu[-1] + 3, 32), "float32")
+    plan = pooling._plan(2, x.shape[0], 32, len(cu) - 1, None, None)
+    assert plan.tile_tokens > plan.grad_tile_tokens
+    f = lambda a: mean_pooling(a, 2, jnp.asarray(cu), impl="triton")  # noqa: E731
+    assert rel_err(f(x), numpy_mean_pooling(x64, cu)) < TOLERANCE["float32"]
+    weights = rng.standard_normal((len(cu) - 1, 32))
+    grad = jax.grad(lambda a: jnp.sum(f(a) * weights))(x)
+    lens = np.maximum(np.diff(cu), 1)
+    expected = np.zeros(x.shape)
+    for i, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
+        expected[a:b] = weights[i] / lens[i]
+    assert rel_err(grad, expected) < TOLERANCE["float32"]
+
+
 def test_auto_impl_and_chunk_size_not_a_power_of_two(rng):
     x, x64 = random_x(rng, (2, 13, 4), "float32")
     for chunk_size in (3, 13, 1000):
@@ -281,6 +301,7 @@ _CU = jnp.asarray([0, 4, 10], jnp.int32)
     (lambda: mean_pooling(jnp.ones((2, 5, 4), jnp.int32)), "x must be a floating-point"),
     (lambda: mean_pooling(_X3, tiling=pooling.Tiling(block_hidden=24)), "tiling.block_hidden"),
     (lambda: mean_pooling(_X3, tiling=pooling.Tiling(tokens_per_program=0)), "tiling.tokens_per_program"),
+    (lambda: mean_pooling(_X3, tiling=pooling.Tiling(num_stages=0)), "tiling.num_stages"),
     (lambda: block_mean_pooling(_X3, 0), "block_size"),
     (lambda: block_mean_pooling(_X3, 2, chunk_size=0), "chunk_size"),
     (lambda: block_mean_pooling(_X2, 4, _CU, total_blocks=2), "total_blocks"),
