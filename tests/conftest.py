@@ -1,6 +1,7 @@
 """Shared test helpers: fresh random inputs, float64 references, relative errors."""
 
 import os
+import zlib
 
 import jax
 import numpy as np
@@ -25,6 +26,7 @@ def rel_err(out, ref) -> float:
 @pytest.fixture
 def rng(request):
     """A NumPy generator seeded from the test's name: fresh data per test, reproducible per test."""
-    seed = abs(hash(request.node.nodeid)) % (2**32) if os.environ.get("EJK_RANDOM_SEED") is None \
+    # crc32, not hash(): Python salts str hashes per process, which would change the data every run.
+    seed = zlib.crc32(request.node.nodeid.encode()) if os.environ.get("EJK_RANDOM_SEED") is None \
         else int(os.environ["EJK_RANDOM_SEED"])
     return np.random.default_rng(seed)
