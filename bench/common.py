@@ -18,12 +18,15 @@ import datetime
 import json
 import platform
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+import ejk_lite  # before triton: without a GPU it selects the interpreter
 
 
 def parse_args(description: str) -> argparse.Namespace:
@@ -90,10 +93,45 @@ def copy_bandwidth_gbs(n_bytes: int = 1 << 30) -> float:
     return 2 * n_bytes / (ms * 1e-3) / 1e9
 
 
+def wall_ms(fn: Callable[[], Any], reps: int = 3) -> float:
+    """Median wall time of ``reps`` calls after a warm-up: for slow peers (the lax.scan) and CPUs."""
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append((time.perf_counter() - start) * 1e3)
+    return float(np.median(times))
+
+
+def time_ms(fn: Callable[[], Any]) -> float:
+    """Median ms: CUDA events on a GPU; without one the wall clock (which only shows the script runs)."""
+    return median_ms(fn) if ejk_lite.ON_GPU else wall_ms(fn)
+
+
+def ceilings() -> tuple[float, float]:
+    """(copy bandwidth in GB/s, dispatch overhead in ms): measured on the GPU; rough on a CPU."""
+    if ejk_lite.ON_GPU:
+        return copy_bandwidth_gbs(), dispatch_overhead_ms()
+    x = jnp.ones((1 << 20,), jnp.bfloat16)
+    copy = jax.jit(lambda a: a * 1.5)
+    nothing = jax.jit(lambda a: a + 1)
+    return 2 * x.nbytes / (wall_ms(lambda: copy(x)) * 1e-3) / 1e9, wall_ms(lambda: nothing(jnp.ones((8,))))
+
+
+def _to_float64(x: Any) -> np.ndarray:
+    if isinstance(x, np.ndarray):
+        return x.astype(np.float64)
+    return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+
+
 def relative_error(out: Any, ref: Any) -> float:
-    """``‖out − ref‖ / ‖ref‖`` in float64; NaN anywhere in ``out`` gives ``inf``."""
-    out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
-    ref = np.asarray(jnp.asarray(ref, jnp.float32), np.float64)
+    """``‖out − ref‖ / ‖ref‖`` in float64; NaN anywhere in ``out`` gives ``inf``.
+
+    A NumPy ``ref`` (a float64 reference computed on the host) is used as it is; device arrays of
+    any dtype go through float32.
+    """
+    out, ref = _to_float64(out), _to_float64(ref)
     if not np.all(np.isfinite(out)):
         return float("inf")
     return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))

@@ -26,23 +26,22 @@ inputs; rows failing their dtype's tolerance are marked ``ok: false`` and listed
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import ejk_lite  # noqa: E402  (first: settles the Triton backend)
+import ejk_lite  # noqa: E402, F401  (first: settles the Triton backend)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from common import (  # noqa: E402
-    copy_bandwidth_gbs,
-    dispatch_overhead_ms,
-    median_ms,
+    ceilings,
     parse_args,
     print_table,
+    relative_error,
     row,
+    time_ms,
     write_result,
 )
 from ejk_lite import chunk_global_cumsum, chunk_local_cumsum  # noqa: E402
@@ -51,26 +50,8 @@ CHUNK = 64
 TOLERANCE = {"float32": 1e-5, "bfloat16": 1.6e-2}  # as tests/conftest.py, against float64
 
 
-def time_ms(fn) -> float:
-    """Median ms: CUDA events on a GPU; on a machine without one the wall clock (only shows it runs)."""
-    if ejk_lite.ON_GPU:
-        return median_ms(fn)
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(3):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append((time.perf_counter() - start) * 1e3)
-    return float(np.median(times))
 
 
-def ceilings() -> tuple[float, float]:
-    if ejk_lite.ON_GPU:
-        return copy_bandwidth_gbs(), dispatch_overhead_ms()
-    x = jnp.ones((1 << 20,), jnp.bfloat16)
-    copy = jax.jit(lambda a: a * 1.5)
-    nothing = jax.jit(lambda a: a + 1)
-    return 2 * x.nbytes / (time_ms(lambda: copy(x)) * 1e-3) / 1e9, time_ms(lambda: nothing(jnp.ones((8,))))
 
 
 def numpy_cumsum(x: np.ndarray, chunk: int | None, reverse: bool) -> np.ndarray:
@@ -90,11 +71,6 @@ def numpy_cumsum(x: np.ndarray, chunk: int | None, reverse: bool) -> np.ndarray:
     return sums.reshape(padded.shape)[:, :tokens]
 
 
-def host_rel_err(out, ref: np.ndarray) -> float:
-    out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
-    if not np.all(np.isfinite(out)):
-        return float("inf")
-    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
 def make_op(op: str, impl: str):
@@ -128,7 +104,7 @@ def main() -> None:
                 forward = jax.jit(f)
                 backward = jax.jit(jax.grad(lambda x, w, f=f: jnp.sum((w * f(x)).astype(jnp.float32))))
                 for direction, run in (("fwd", lambda: forward(x)), ("bwd", lambda: backward(x, w))):
-                    err = host_rel_err(run(), expected[direction])
+                    err = relative_error(run(), expected[direction])
                     name = f"{op}{CHUNK if op == 'local' else ''} {kind} {list(shape)}"
                     r = row(name, impl, direction, list(shape), dtype, time_ms(run), bytes_moved=moved,
                             copy_gbs=copy_gbs, rel_err=err, op=op, ok=bool(err < TOLERANCE[dtype]))

@@ -32,17 +32,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import ejk_lite  # noqa: E402  (first: settles the Triton backend)
+import ejk_lite  # noqa: E402, F401  (first: settles the Triton backend)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from common import (  # noqa: E402
-    copy_bandwidth_gbs,
-    dispatch_overhead_ms,
-    median_ms,
+    ceilings,
     parse_args,
     print_table,
+    relative_error,
+    time_ms,
     write_result,
 )
 
@@ -59,26 +59,8 @@ SWEEP_BUDGET_S = 40  # the whole script must stay under ~3 minutes on an H100
 # ----------------------------------------------------------------------------------------------
 
 
-def time_ms(fn) -> float:
-    if ejk_lite.ON_GPU:
-        return median_ms(fn)
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(3):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append((time.perf_counter() - start) * 1e3)
-    return float(np.median(times))
 
 
-def ceilings(quick: bool) -> tuple[float, float]:
-    if ejk_lite.ON_GPU:
-        return copy_bandwidth_gbs(), dispatch_overhead_ms()
-    x = jnp.ones((1 << 18,), jnp.bfloat16)
-    copy = jax.jit(lambda a: a * 1.5)
-    ms = time_ms(lambda: copy(x))
-    nothing = jax.jit(lambda a: a + 1)
-    return 2 * x.nbytes / (ms * 1e-3) / 1e9, time_ms(lambda: nothing(jnp.ones((8,))))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -131,11 +113,6 @@ def numpy_reference(running: np.ndarray, bounds: np.ndarray) -> np.ndarray:
     return (running[bounds[:, 1]] - running[bounds[:, 0]]) / lengths
 
 
-def host_rel_err(out, ref: np.ndarray) -> float:
-    out = np.asarray(jnp.asarray(out, jnp.float32), np.float64).reshape(ref.shape)
-    if not np.all(np.isfinite(out)):
-        return float("inf")
-    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
 def gradient_checker(dout, bounds: np.ndarray, num_tokens: int):
@@ -187,7 +164,7 @@ def measure(case, impl, block_size, copy_gbs, chunk_size=32, tiling=None, check=
     f = pooled_fn(case, impl, block_size, chunk_size, tiling)
 
     out = f(x, cu)
-    fwd_err = host_rel_err(out, case[f"ref_{kind}"]) if check else None
+    fwd_err = relative_error(out.reshape(case[f"ref_{kind}"].shape), case[f"ref_{kind}"]) if check else None
     fwd_ms = time_ms(lambda: f(x, cu))
 
     # Time the backward alone: the pullback of a forward run outside the timed function.
@@ -227,7 +204,7 @@ def tiling_variants(quick: bool) -> list[tuple[int, Tiling]]:
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
     rng = np.random.default_rng(0)
-    copy_gbs, overhead_ms = ceilings(args.quick)
+    copy_gbs, overhead_ms = ceilings()
     cases = make_cases(args.quick, rng)
     for case in cases:
         x32, cu = as_packed(case)

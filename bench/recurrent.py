@@ -16,14 +16,12 @@ it is timed on a shorter sequence and scaled to T. The JSON says which (``scan_t
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 import ejk_lite  # noqa: E402
 
@@ -31,13 +29,13 @@ if ejk_lite.ON_GPU:
     # Import jax-triton now, through ejk_lite, which keeps TRITON_CACHE_DIR usable for fla's kernels.
     ejk_lite.launch._import_jax_triton()
 from common import (  # noqa: E402
-    copy_bandwidth_gbs,
-    dispatch_overhead_ms,
-    median_ms,
+    ceilings,
     parse_args,
     print_table,
     relative_error,
     row,
+    time_ms,
+    wall_ms,
     write_result,
 )
 from ejk_lite.recurrent import recurrent, reference  # noqa: E402
@@ -76,28 +74,10 @@ def forward_backward_fn(impl):
     return jax.jit(jax.grad(loss, has_aux=True))
 
 
-def wall_ms(fn, reps=3):
-    """Median wall time of a few calls after one warm-up (the slow scan; anything on a CPU)."""
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append((time.perf_counter() - start) * 1e3)
-    return float(np.median(times))
 
 
-def time_ms(fn):
-    """Median ms: CUDA events on a GPU; on a machine without one the wall clock (only shows it runs)."""
-    return median_ms(fn) if ejk_lite.ON_GPU else wall_ms(fn)
 
 
-def ceilings() -> tuple[float, float]:
-    if ejk_lite.ON_GPU:
-        return copy_bandwidth_gbs(), dispatch_overhead_ms()
-    x = jnp.ones((1 << 20,), jnp.bfloat16)
-    copy = jax.jit(lambda a: a * 1.5)
-    return 2 * x.nbytes / (wall_ms(lambda: copy(x)) * 1e-3) / 1e9, wall_ms(lambda: copy(jnp.ones((8,))))
 
 
 # ----------------------------------------------------------------------------------------------
