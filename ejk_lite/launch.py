@@ -232,3 +232,34 @@ def _interpret(args, kernel, out_leaves, grid, metaparams):
 
     result_shapes = tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in out_leaves)
     return list(jax.pure_callback(run_on_host, result_shapes, *arrays))
+
+
+def vmap_sequentially(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Give ``fn`` (whose body launches kernels) a batching rule: one call per mapped element.
+
+    Neither jax-triton's primitive nor the interpreter's ``pure_callback`` can be batched, so
+    ``jax.vmap`` of a function that launches kernels fails without this. The rule runs ``fn`` once
+    per element of the mapped axis (``lax.map``), with the unmapped arguments shared; outputs are
+    all mapped. Ops whose kernels have a batch axis of their own can fold the mapped axis into it
+    instead, which launches once.
+    """
+
+    @jax.custom_batching.custom_vmap
+    def mapped(*args):
+        return fn(*args)
+
+    @mapped.def_vmap
+    def rule(axis_size, in_batched, *args):
+        leaves, tree = jax.tree_util.tree_flatten(args)
+        flags = jax.tree_util.tree_leaves(in_batched)
+        batched = [leaf for leaf, flag in zip(leaves, flags) if flag]
+
+        def one(batched_leaves):
+            it = iter(batched_leaves)
+            merged = [next(it) if flag else leaf for leaf, flag in zip(leaves, flags)]
+            return fn(*jax.tree_util.tree_unflatten(tree, merged))
+
+        out = jax.lax.map(one, batched)
+        return out, jax.tree_util.tree_map(lambda _: True, out)
+
+    return mapped

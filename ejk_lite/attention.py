@@ -1,0 +1,902 @@
+"""Block-sparse attention: FlashAttention-2 forward and backward that visit only the tiles a block mask lists.
+
+For a query row ``i`` of head ``h`` (Dao 2023, "FlashAttention-2")::
+
+    s_ij = scale * q_i . k_j                     scale = D ** -0.5 unless given
+    s_ij = cap * tanh(s_ij / cap)                with logits_soft_cap (Gemma 2)
+    s_ij = s_ij + bias_ij                        with bias, broadcastable to [B, Hq, T, S]
+    p_ij = exp(s_ij) / (exp(sink_h) + sum_{j visible} exp(s_ij))     sink term with softmax_aux
+    o_i  = sum_{j visible} p_ij v_j              zeros if nothing is visible
+
+``exp(sink_h)`` is an attention *sink* (gpt-oss): it joins every row's denominator once and carries
+no value. The kernels keep the softmax *online*: a program owns ``BQ`` query rows and walks key
+blocks, keeping a running maximum ``m`` and sum ``l`` in fp32 (in base 2: ``exp2`` is one
+instruction). Starting from ``m = sink, l = 1`` counts the sink exactly once. The forward stores
+``lse = m + log2(l)`` per row; the backward recomputes ``p = exp2(s - lse)`` tile by tile::
+
+    dv_j = sum_i p_ij do_i        dp_ij = do_i . v_j        ds_ij = p_ij (dp_ij - delta_i)
+    dq_i = scale * sum_j ds_ij c_ij k_j     dk_j = scale * sum_i ds_ij c_ij q_i
+    delta_i = do_i . o_i          c_ij = 1 - tanh(s_ij / cap)^2 (1 without a soft cap)
+    dsink_h = -sum_i exp(sink_h - lse_i) delta_i         dbias_ij = ds_ij
+
+The soft cap's derivative ``1 - tanh^2`` lies in ``[0, 1]``: no overflow, however large the logits.
+
+Which tiles: a :class:`ejk_lite.masking.BlockMask` at the kernel's block sizes lists, per query
+block, the *partial* key blocks (the token rule is evaluated pair by pair) and the *full* ones (no
+per-token test); the dK/dV kernel walks the transposed lists. The backward builds the mask at its
+own block sizes from the same rule, so forward and backward always agree on what is visible.
+Grouped heads: key/value head ``j`` serves query heads ``j * G ... (j + 1) * G - 1``; the dK/dV
+program of a key block loops over the group, so the sum over the group needs no atomics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import triton
+import triton.language as tl
+from jax import Array
+
+from ejk_lite.launch import INTERPRETER, triton_call, vmap_sequentially
+from ejk_lite.masking import EMPTY, BlockMask, TokenRule, intersection, make_block_mask, token_rule, _build
+
+LOG2E = math.log2(math.e)
+_BIG_WINDOW = 2**30
+
+
+# ----------------------------------------------------------------------------------------------
+# Configuration: block sizes and launch settings, one per direction.
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tile sizes and launch settings of one direction (forward, or the two backward kernels)."""
+
+    block_q: int
+    block_kv: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+    @staticmethod
+    def forward(head_dim: int) -> BlockSizes:
+        if head_dim <= 64:
+            return BlockSizes(128, 64, num_warps=4, num_stages=3)
+        if head_dim <= 128:
+            return BlockSizes(128, 64, num_warps=8, num_stages=3)
+        return BlockSizes(64, 64, num_warps=4, num_stages=2)
+
+    @staticmethod
+    def backward(head_dim: int) -> BlockSizes:
+        if head_dim <= 64:
+            return BlockSizes(64, 64, num_warps=4, num_stages=2)
+        if head_dim <= 128:
+            return BlockSizes(64, 64, num_warps=8, num_stages=2)
+        return BlockSizes(32, 32, num_warps=4, num_stages=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """Everything the kernels are specialised on (hashable: a custom_vjp non-differentiable argument)."""
+
+    scale: float
+    soft_cap: float | None
+    fwd: BlockSizes
+    bwd: BlockSizes
+    causal: bool
+    window: tuple[int, int] | None
+    has_segments: bool
+    has_token_mask: bool
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels. Every tensor is contiguous; a program's base pointers are computed once.
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _tanh(x):
+    # 1 - 2 / (exp(2x) + 1): exp overflow gives +-1 exactly, never NaN.
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _logits(q, k, offs_m, offs_n, bias_base, stride_bt, stride_bs, scale, soft_cap, T, S,
+            USE_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``s = scale q k^T``, soft-capped, plus bias; also returns tanh (for the soft cap's derivative)."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+    t = s
+    if USE_SOFTCAP:
+        t = _tanh(s / soft_cap)
+        s = soft_cap * t
+    if HAS_BIAS:
+        bias_ptrs = (bias_base + offs_m.to(tl.int64)[:, None] * stride_bt
+                     + offs_n.to(tl.int64)[None, :] * stride_bs)
+        in_range = (offs_m < T)[:, None] & (offs_n < S)[None, :]
+        s += tl.load(bias_ptrs, mask=in_range, other=0.0).to(tl.float32)
+    return s, t
+
+
+@triton.jit
+def _visible(offs_m, offs_n, q_seg, q_pos, kv_seg_base, kv_pos_base, mask_base, window_left,
+             window_right, T, S, MASKED: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
+             IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr):
+    """Which pairs of a tile are visible: in range, and (in partial tiles) the token rule holds."""
+    in_kv = offs_n < S
+    visible = (offs_m >= 0)[:, None] & in_kv[None, :]
+    if MASKED:
+        if HAS_SEGMENTS:
+            kv_seg = tl.load(kv_seg_base + offs_n, mask=in_kv, other=0)
+            visible &= q_seg[:, None] == kv_seg[None, :]
+        if IS_CAUSAL or HAS_WINDOW:
+            kv_pos = tl.load(kv_pos_base + offs_n, mask=in_kv, other=0)
+            d = kv_pos[None, :] - q_pos[:, None]  # positions lie in (-2**30, 2**30): no overflow
+            if IS_CAUSAL:
+                visible &= d <= 0
+            if HAS_WINDOW:
+                visible &= (d >= -window_left) & (d <= window_right)
+        if HAS_TOKEN_MASK:
+            ptrs = mask_base + offs_m.to(tl.int64)[:, None] * S + offs_n[None, :]
+            in_range = (offs_m < T)[:, None] & in_kv[None, :]
+            visible &= tl.load(ptrs, mask=in_range, other=0) != 0
+    return visible
+
+
+@triton.jit
+def _fwd_tiles(acc, m_i, l_i, q, offs_m, q_seg, q_pos, list_ptr, count,
+               k_base, v_base, kv_seg_base, kv_pos_base, mask_base, bias_base, stride_bt, stride_bs,
+               scale, soft_cap, window_left, window_right, T, S,
+               D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BK: tl.constexpr,
+               MASKED: tl.constexpr, HAS_SEGMENTS: tl.constexpr, IS_CAUSAL: tl.constexpr,
+               HAS_WINDOW: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
+               USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """The online-softmax inner loop over ``count`` key blocks read from ``list_ptr``."""
+    offs_d = tl.arange(0, BD)
+    offs_dv = tl.arange(0, BDV)
+    for i in range(count):
+        kb = tl.load(list_ptr + i)
+        offs_n = kb * BK + tl.arange(0, BK)
+        in_kv = offs_n < S
+        k = tl.load(k_base + offs_n[:, None] * D + offs_d[None, :],
+                    mask=in_kv[:, None] & (offs_d < D)[None, :], other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * DV + offs_dv[None, :],
+                    mask=in_kv[:, None] & (offs_dv < DV)[None, :], other=0.0)
+        s, _ = _logits(q, k, offs_m, offs_n, bias_base, stride_bt, stride_bs, scale, soft_cap, T, S,
+                       USE_SOFTCAP, HAS_BIAS, DOT_PRECISION)
+        visible = _visible(offs_m, offs_n, q_seg, q_pos, kv_seg_base, kv_pos_base, mask_base,
+                           window_left, window_right, T, S, MASKED, HAS_SEGMENTS, IS_CAUSAL,
+                           HAS_WINDOW, HAS_TOKEN_MASK)
+        s = tl.where(visible, s * 1.4426950408889634, float("-inf"))  # log2(e): base-2 logits
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _attention_fwd_kernel(
+    # inputs
+    q_ptr, k_ptr, v_ptr, q_seg_ptr, kv_seg_ptr, q_pos_ptr, kv_pos_ptr, token_mask_ptr, bias_ptr, sink_ptr,
+    partial_count_ptr, partial_index_ptr, full_count_ptr, full_index_ptr,
+    # scalars
+    scale, soft_cap, window_left, window_right, T, S, n_q_blocks, n_kv_blocks,
+    stride_ids_b, stride_mask_b, stride_mask_h, stride_bb, stride_bh, stride_bt, stride_bs,
+    stride_bm_b, stride_bm_h,
+    # outputs
+    o_ptr, lse_ptr,
+    # shapes and features
+    H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr,
+    BDV: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,
+    HAS_SEGMENTS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_TOKEN_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # Query blocks in reverse order: under a causal mask the last blocks have the most work; they
+    # start first, so the short ones fill the gaps at the end.
+    i_m = n_q_blocks - 1 - tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    i_bh64 = i_bh.to(tl.int64)
+    i_kvh64 = (i_b * (H // G) + i_h // G).to(tl.int64)
+    offs_m = i_m * BQ + tl.arange(0, BQ)
+    offs_d = tl.arange(0, BD)
+    offs_dv = tl.arange(0, BDV)
+    in_q = offs_m < T
+
+    q_base = q_ptr + i_bh64 * T * D
+    k_base = k_ptr + i_kvh64 * S * D
+    v_base = v_ptr + i_kvh64 * S * DV
+    q = tl.load(q_base + offs_m[:, None] * D + offs_d[None, :], mask=in_q[:, None] & (offs_d < D)[None, :],
+                other=0.0)
+    q_seg = tl.load(q_seg_ptr + i_b * stride_ids_b + offs_m, mask=in_q, other=0) if HAS_SEGMENTS else offs_m
+    q_pos = tl.load(q_pos_ptr + i_b * stride_ids_b + offs_m, mask=in_q, other=0) \
+        if IS_CAUSAL or HAS_WINDOW else offs_m
+    kv_seg_base = kv_seg_ptr + i_b * stride_ids_b
+    kv_pos_base = kv_pos_ptr + i_b * stride_ids_b
+    mask_base = token_mask_ptr + i_b.to(tl.int64) * stride_mask_b + i_h.to(tl.int64) * stride_mask_h
+    bias_base = bias_ptr + i_b.to(tl.int64) * stride_bb + i_h.to(tl.int64) * stride_bh
+
+    if HAS_SINKS:  # the sink is the first "logit" of every row: m = sink, l = exp2(sink - m) = 1
+        m_i = tl.zeros([BQ], tl.float32) + tl.load(sink_ptr + i_h).to(tl.float32) * 1.4426950408889634
+        l_i = tl.zeros([BQ], tl.float32) + 1.0
+    else:
+        m_i = tl.zeros([BQ], tl.float32) + float("-inf")
+        l_i = tl.zeros([BQ], tl.float32)
+    acc = tl.zeros([BQ, BDV], tl.float32)
+
+    row = (i_b * stride_bm_b + i_h * stride_bm_h) * n_q_blocks + i_m
+    n_partial = tl.load(partial_count_ptr + row)
+    n_full = tl.load(full_count_ptr + row)
+    acc, m_i, l_i = _fwd_tiles(
+        acc, m_i, l_i, q, offs_m, q_seg, q_pos, partial_index_ptr + row.to(tl.int64) * n_kv_blocks, n_partial,
+        k_base, v_base, kv_seg_base, kv_pos_base, mask_base, bias_base, stride_bt, stride_bs,
+        scale, soft_cap, window_left, window_right, T, S, D, DV, BD, BDV, BK,
+        True, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, HAS_BIAS, USE_SOFTCAP, DOT_PRECISION)
+    acc, m_i, l_i = _fwd_tiles(
+        acc, m_i, l_i, q, offs_m, q_seg, q_pos, full_index_ptr + row.to(tl.int64) * n_kv_blocks, n_full,
+        k_base, v_base, kv_seg_base, kv_pos_base, mask_base, bias_base, stride_bt, stride_bs,
+        scale, soft_cap, window_left, window_right, T, S, D, DV, BD, BDV, BK,
+        False, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, HAS_BIAS, USE_SOFTCAP, DOT_PRECISION)
+
+    # A row that saw no key (and has no sink) has l = 0: its output is 0 and its lse +inf, so that
+    # the backward's p = exp2(s - lse) is 0 for it.
+    seen = l_i > 0.0
+    o = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("inf"))
+    tl.store(o_ptr + i_bh64 * T * DV + offs_m[:, None] * DV + offs_dv[None, :], o.to(o_ptr.dtype.element_ty),
+             mask=in_q[:, None] & (offs_dv < DV)[None, :])
+    tl.store(lse_ptr + i_bh64 * T + offs_m, lse, mask=in_q)
+
+
+@triton.jit
+def _bwd_tile(q, k, v, do, lse, delta, offs_m, offs_n, q_seg, q_pos, kv_seg_base, kv_pos_base, mask_base,
+              bias_base, stride_bt, stride_bs, scale, soft_cap, window_left, window_right, T, S,
+              MASKED: tl.constexpr, HAS_SEGMENTS: tl.constexpr, IS_CAUSAL: tl.constexpr,
+              HAS_WINDOW: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
+              USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One tile of the backward: ``p``, ``ds`` = dL/d(final logit) and the same before the soft cap."""
+    s, t = _logits(q, k, offs_m, offs_n, bias_base, stride_bt, stride_bs, scale, soft_cap, T, S,
+                   USE_SOFTCAP, HAS_BIAS, DOT_PRECISION)
+    visible = _visible(offs_m, offs_n, q_seg, q_pos, kv_seg_base, kv_pos_base, mask_base,
+                       window_left, window_right, T, S, MASKED, HAS_SEGMENTS, IS_CAUSAL,
+                       HAS_WINDOW, HAS_TOKEN_MASK)
+    p = tl.where(visible, tl.exp2(s * 1.4426950408889634 - lse[:, None]), 0.0)
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+    ds = p * (dp - delta[:, None])  # dL/d(logit after the soft cap): also dL/dbias
+    if USE_SOFTCAP:
+        d_raw = ds * (1.0 - t * t)  # through cap * tanh(s / cap): a factor in [0, 1]
+    else:
+        d_raw = ds
+    return p, ds, d_raw
+
+
+@triton.jit
+def _bwd_q_side(q_ptr, do_ptr, lse_ptr, delta_ptr, q_seg_ptr, q_pos_ptr, i_bh64, i_b, stride_ids_b, offs_m,
+                T, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+                HAS_SEGMENTS: tl.constexpr, USE_POSITIONS: tl.constexpr):
+    """Load a query block's q, do, lse, delta and token ids (rows past T: zeros and lse = +inf)."""
+    offs_d = tl.arange(0, BD)
+    offs_dv = tl.arange(0, BDV)
+    in_q = offs_m < T
+    q = tl.load(q_ptr + i_bh64 * T * D + offs_m[:, None] * D + offs_d[None, :],
+                mask=in_q[:, None] & (offs_d < D)[None, :], other=0.0)
+    do = tl.load(do_ptr + i_bh64 * T * DV + offs_m[:, None] * DV + offs_dv[None, :],
+                 mask=in_q[:, None] & (offs_dv < DV)[None, :], other=0.0)
+    lse = tl.load(lse_ptr + i_bh64 * T + offs_m, mask=in_q, other=float("inf"))
+    delta = tl.load(delta_ptr + i_bh64 * T + offs_m, mask=in_q, other=0.0)
+    q_seg = tl.load(q_seg_ptr + i_b * stride_ids_b + offs_m, mask=in_q, other=0) if HAS_SEGMENTS else offs_m
+    q_pos = tl.load(q_pos_ptr + i_b * stride_ids_b + offs_m, mask=in_q, other=0) if USE_POSITIONS else offs_m
+    return q, do, lse, delta, q_seg, q_pos
+
+
+@triton.jit
+def _dkv_tiles(dk, dv, k, v, offs_n, list_ptr, count, i_bh64, i_b, mask_base, bias_base,
+               q_ptr, do_ptr, lse_ptr, delta_ptr, q_seg_ptr, q_pos_ptr, kv_seg_base, kv_pos_base,
+               stride_ids_b, stride_bt, stride_bs, scale, soft_cap, window_left, window_right, T, S,
+               D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BQ: tl.constexpr,
+               MASKED: tl.constexpr, HAS_SEGMENTS: tl.constexpr, IS_CAUSAL: tl.constexpr,
+               HAS_WINDOW: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
+               USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Accumulate dK, dV of one key block over ``count`` query blocks read from ``list_ptr``."""
+    for i in range(count):
+        qb = tl.load(list_ptr + i)
+        offs_m = qb * BQ + tl.arange(0, BQ)
+        q, do, lse, delta, q_seg, q_pos = _bwd_q_side(
+            q_ptr, do_ptr, lse_ptr, delta_ptr, q_seg_ptr, q_pos_ptr, i_bh64, i_b, stride_ids_b, offs_m, T,
+            D, DV, BD, BDV, HAS_SEGMENTS, IS_CAUSAL or HAS_WINDOW)
+        p, _, ds = _bwd_tile(q, k, v, do, lse, delta, offs_m, offs_n, q_seg, q_pos, kv_seg_base,
+                             kv_pos_base, mask_base, bias_base, stride_bt, stride_bs, scale, soft_cap,
+                             window_left, window_right, T, S, MASKED, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW,
+                             HAS_TOKEN_MASK, HAS_BIAS, USE_SOFTCAP, DOT_PRECISION)
+        dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PRECISION)
+        dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=DOT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _attention_dkv_kernel(
+    # inputs
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, q_seg_ptr, kv_seg_ptr, q_pos_ptr, kv_pos_ptr,
+    token_mask_ptr, bias_ptr, t_partial_count_ptr, t_partial_index_ptr, t_full_count_ptr, t_full_index_ptr,
+    # scalars
+    scale, soft_cap, window_left, window_right, T, S, n_q_blocks, n_kv_blocks,
+    stride_ids_b, stride_mask_b, stride_mask_h, stride_bb, stride_bh, stride_bt, stride_bs,
+    stride_bm_b, stride_bm_h,
+    # outputs
+    dk_ptr, dv_ptr,
+    # shapes and features
+    H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr,
+    BDV: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,
+    HAS_SEGMENTS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_TOKEN_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    i_n = tl.program_id(0)
+    i_bkv = tl.program_id(1)  # (batch, key/value head)
+    H_KV: tl.constexpr = H // G
+    i_b, i_kvh = i_bkv // H_KV, i_bkv % H_KV
+    i_bkv64 = i_bkv.to(tl.int64)
+    offs_n = i_n * BK + tl.arange(0, BK)
+    offs_d = tl.arange(0, BD)
+    offs_dv = tl.arange(0, BDV)
+    in_kv = offs_n < S
+    k = tl.load(k_ptr + i_bkv64 * S * D + offs_n[:, None] * D + offs_d[None, :],
+                mask=in_kv[:, None] & (offs_d < D)[None, :], other=0.0)
+    v = tl.load(v_ptr + i_bkv64 * S * DV + offs_n[:, None] * DV + offs_dv[None, :],
+                mask=in_kv[:, None] & (offs_dv < DV)[None, :], other=0.0)
+    kv_seg_base = kv_seg_ptr + i_b * stride_ids_b
+    kv_pos_base = kv_pos_ptr + i_b * stride_ids_b
+    dk = tl.zeros([BK, BD], tl.float32)
+    dv = tl.zeros([BK, BDV], tl.float32)
+    for g in range(G):  # the query heads this key/value head serves
+        i_h = i_kvh * G + g
+        i_bh64 = (i_b * H + i_h).to(tl.int64)
+        mask_base = token_mask_ptr + i_b.to(tl.int64) * stride_mask_b + i_h.to(tl.int64) * stride_mask_h
+        bias_base = bias_ptr + i_b.to(tl.int64) * stride_bb + i_h.to(tl.int64) * stride_bh
+        col = (i_b * stride_bm_b + i_h * stride_bm_h) * n_kv_blocks + i_n
+        n_partial = tl.load(t_partial_count_ptr + col)
+        n_full = tl.load(t_full_count_ptr + col)
+        dk, dv = _dkv_tiles(
+            dk, dv, k, v, offs_n, t_partial_index_ptr + col.to(tl.int64) * n_q_blocks, n_partial, i_bh64, i_b,
+            mask_base, bias_base, q_ptr, do_ptr, lse_ptr, delta_ptr, q_seg_ptr, q_pos_ptr, kv_seg_base,
+            kv_pos_base, stride_ids_b, stride_bt, stride_bs, scale, soft_cap, window_left, window_right, T, S,
+            D, DV, BD, BDV, BQ, True, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, HAS_BIAS,
+            USE_SOFTCAP, DOT_PRECISION)
+        dk, dv = _dkv_tiles(
+            dk, dv, k, v, offs_n, t_full_index_ptr + col.to(tl.int64) * n_q_blocks, n_full, i_bh64, i_b,
+            mask_base, bias_base, q_ptr, do_ptr, lse_ptr, delta_ptr, q_seg_ptr, q_pos_ptr, kv_seg_base,
+            kv_pos_base, stride_ids_b, stride_bt, stride_bs, scale, soft_cap, window_left, window_right, T, S,
+            D, DV, BD, BDV, BQ, False, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, HAS_BIAS,
+            USE_SOFTCAP, DOT_PRECISION)
+    kv_rows = in_kv[:, None]
+    tl.store(dk_ptr + i_bkv64 * S * D + offs_n[:, None] * D + offs_d[None, :], (dk * scale).to(dk_ptr.dtype.element_ty),
+             mask=kv_rows & (offs_d < D)[None, :])
+    tl.store(dv_ptr + i_bkv64 * S * DV + offs_n[:, None] * DV + offs_dv[None, :], dv.to(dv_ptr.dtype.element_ty),
+             mask=kv_rows & (offs_dv < DV)[None, :])
+
+
+@triton.jit
+def _dq_tiles(dq, q, do, lse, delta, offs_m, q_seg, q_pos, list_ptr, count, k_base, v_base, kv_seg_base,
+              kv_pos_base, mask_base, bias_base, dbias_base, stride_bt, stride_bs, scale, soft_cap,
+              window_left, window_right, T, S,
+              D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BK: tl.constexpr,
+              MASKED: tl.constexpr, HAS_SEGMENTS: tl.constexpr, IS_CAUSAL: tl.constexpr,
+              HAS_WINDOW: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
+              USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Accumulate dQ of one query block over ``count`` key blocks (and write dbias tiles)."""
+    offs_d = tl.arange(0, BD)
+    offs_dv = tl.arange(0, BDV)
+    for i in range(count):
+        kb = tl.load(list_ptr + i)
+        offs_n = kb * BK + tl.arange(0, BK)
+        in_kv = offs_n < S
+        k = tl.load(k_base + offs_n[:, None] * D + offs_d[None, :],
+                    mask=in_kv[:, None] & (offs_d < D)[None, :], other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * DV + offs_dv[None, :],
+                    mask=in_kv[:, None] & (offs_dv < DV)[None, :], other=0.0)
+        _, ds, d_raw = _bwd_tile(q, k, v, do, lse, delta, offs_m, offs_n, q_seg, q_pos, kv_seg_base,
+                                 kv_pos_base, mask_base, bias_base, stride_bt, stride_bs, scale, soft_cap,
+                                 window_left, window_right, T, S, MASKED, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW,
+                                 HAS_TOKEN_MASK, HAS_BIAS, USE_SOFTCAP, DOT_PRECISION)
+        if HAS_BIAS:  # dbias is ds itself; [B, H, T, S] fp32, tiles never visited are zeroed outside
+            ptrs = dbias_base + offs_m.to(tl.int64)[:, None] * S + offs_n[None, :]
+            tl.store(ptrs, ds, mask=(offs_m < T)[:, None] & in_kv[None, :])
+        dq += tl.dot(d_raw.to(k.dtype), k, input_precision=DOT_PRECISION)
+    return dq
+
+
+@triton.jit
+def _attention_dq_kernel(
+    # inputs
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, q_seg_ptr, kv_seg_ptr, q_pos_ptr, kv_pos_ptr,
+    token_mask_ptr, bias_ptr, partial_count_ptr, partial_index_ptr, full_count_ptr, full_index_ptr,
+    # scalars
+    scale, soft_cap, window_left, window_right, T, S, n_q_blocks, n_kv_blocks,
+    stride_ids_b, stride_mask_b, stride_mask_h, stride_bb, stride_bh, stride_bt, stride_bs,
+    stride_bm_b, stride_bm_h,
+    # outputs
+    dq_ptr, dbias_ptr,
+    # shapes and features
+    H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr,
+    BDV: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,
+    HAS_SEGMENTS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_TOKEN_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    i_m = n_q_blocks - 1 - tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    i_bh64 = i_bh.to(tl.int64)
+    i_kvh64 = (i_b * (H // G) + i_h // G).to(tl.int64)
+    offs_m = i_m * BQ + tl.arange(0, BQ)
+    offs_d = tl.arange(0, BD)
+    q, do, lse, delta, q_seg, q_pos = _bwd_q_side(
+        q_ptr, do_ptr, lse_ptr, delta_ptr, q_seg_ptr, q_pos_ptr, i_bh64, i_b, stride_ids_b, offs_m, T,
+        D, DV, BD, BDV, HAS_SEGMENTS, IS_CAUSAL or HAS_WINDOW)
+    k_base = k_ptr + i_kvh64 * S * D
+    v_base = v_ptr + i_kvh64 * S * DV
+    kv_seg_base = kv_seg_ptr + i_b * stride_ids_b
+    kv_pos_base = kv_pos_ptr + i_b * stride_ids_b
+    mask_base = token_mask_ptr + i_b.to(tl.int64) * stride_mask_b + i_h.to(tl.int64) * stride_mask_h
+    bias_base = bias_ptr + i_b.to(tl.int64) * stride_bb + i_h.to(tl.int64) * stride_bh
+    dbias_base = dbias_ptr + i_bh64 * T * S
+    dq = tl.zeros([BQ, BD], tl.float32)
+    row = (i_b * stride_bm_b + i_h * stride_bm_h) * n_q_blocks + i_m
+    n_partial = tl.load(partial_count_ptr + row)
+    n_full = tl.load(full_count_ptr + row)
+    dq = _dq_tiles(dq, q, do, lse, delta, offs_m, q_seg, q_pos, partial_index_ptr + row.to(tl.int64) * n_kv_blocks,
+                   n_partial, k_base, v_base, kv_seg_base, kv_pos_base, mask_base, bias_base, dbias_base,
+                   stride_bt, stride_bs, scale, soft_cap, window_left, window_right, T, S, D, DV, BD, BDV, BK,
+                   True, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, HAS_BIAS, USE_SOFTCAP,
+                   DOT_PRECISION)
+    dq = _dq_tiles(dq, q, do, lse, delta, offs_m, q_seg, q_pos, full_index_ptr + row.to(tl.int64) * n_kv_blocks,
+                   n_full, k_base, v_base, kv_seg_base, kv_pos_base, mask_base, bias_base, dbias_base,
+                   stride_bt, stride_bs, scale, soft_cap, window_left, window_right, T, S, D, DV, BD, BDV, BK,
+                   False, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, HAS_BIAS, USE_SOFTCAP,
+                   DOT_PRECISION)
+    tl.store(dq_ptr + i_bh64 * T * D + offs_m[:, None] * D + offs_d[None, :], (dq * scale).to(dq_ptr.dtype.element_ty),
+             mask=(offs_m < T)[:, None] & (offs_d < D)[None, :])
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers: the forward, and the backward's two kernels, each callable and testable alone.
+# ----------------------------------------------------------------------------------------------
+
+
+def _pow2(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))
+
+
+def _rule_operands(rule: TokenRule | None, B: int, T: int, S: int) -> tuple[list[Array], int, list[int]]:
+    """The token rule as kernel operands: ids ``[Bi, T]`` / ``[Bi, S]`` (stand-ins where absent),
+    the token mask as int8, and their batch strides (0 where one row serves every batch row)."""
+    none = jnp.zeros((1,), jnp.int32)
+    if rule is None:
+        return [none, none, none, none, jnp.zeros((1,), jnp.int8)], 0, [0, 0]
+    ids = (rule.q_segment_ids, rule.kv_segment_ids, rule.q_positions, rule.kv_positions)
+    ids_batch = B if any(x is not None and x.shape[0] != 1 for x in ids) else 1
+    qp, kp = rule.positions(T, S)
+    qs, ks = rule.segments(T, S)
+    n_ids = max(T, S)
+
+    def pad(x, length):  # every id array gets the same row stride: max(T, S)
+        x = jnp.broadcast_to(x.astype(jnp.int32), (ids_batch, length))
+        return jnp.pad(x, ((0, 0), (0, n_ids - length)))
+
+    ids = [pad(qs, T), pad(ks, S), pad(qp, T), pad(kp, S)]
+    if rule.attention_mask is None:
+        token_mask, mask_strides = jnp.zeros((1,), jnp.int8), [0, 0]
+    else:
+        am = rule.attention_mask
+        token_mask = am.astype(jnp.int8)
+        mask_strides = [0 if am.shape[0] == 1 else am.shape[1] * T * S, 0 if am.shape[1] == 1 else T * S]
+    return ids + [token_mask], (0 if ids_batch == 1 else n_ids), mask_strides
+
+
+def _bias_operands(bias: Array | None, B: int, H: int, T: int, S: int) -> tuple[Array, list[int]]:
+    """Bias as given (no broadcast copy) and its element strides, 0 along broadcast axes."""
+    if bias is None:
+        return jnp.zeros((1,), jnp.float32), [0, 0, 0, 0]
+    shape = bias.shape
+    full = (B, H, T, S)
+    contiguous = np.cumprod((1,) + shape[::-1][:-1])[::-1]
+    strides = [0 if shape[i] == 1 and full[i] != 1 else int(contiguous[i]) for i in range(4)]
+    return bias, strides
+
+
+def _mask_strides(mask: BlockMask) -> list[int]:
+    Bm, Hm = mask.kinds.shape[:2]
+    return [0 if Bm == 1 else Hm, 0 if Hm == 1 else 1]
+
+
+def _common(static: _Static, q, k, v, bias, rule, mask: BlockMask, blocks: BlockSizes):
+    """Operands and meta-parameters shared by all three kernels."""
+    B, H, T, D = q.shape
+    H_kv, S, DV = k.shape[1], k.shape[2], v.shape[3]
+    (q_seg, kv_seg, q_pos, kv_pos, token_mask), ids_stride, mask_strides = _rule_operands(rule, B, T, S)
+    bias_arg, bias_strides = _bias_operands(bias, B, H, T, S)
+    soft_cap = 1.0 if static.soft_cap is None else float(static.soft_cap)
+    left, right = static.window if static.window is not None else (0, 0)
+    scalars = [float(static.scale), soft_cap, min(left, _BIG_WINDOW), min(right, _BIG_WINDOW), T, S,
+               mask.kinds.shape[2], mask.kinds.shape[3], ids_stride, *mask_strides, *bias_strides,
+               *_mask_strides(mask)]
+    meta = dict(
+        H=H, G=H // H_kv, D=D, DV=DV, BD=_pow2(D), BDV=_pow2(DV), BQ=blocks.block_q, BK=blocks.block_kv,
+        HAS_SEGMENTS=static.has_segments, IS_CAUSAL=static.causal, HAS_WINDOW=static.window is not None,
+        HAS_TOKEN_MASK=static.has_token_mask, HAS_BIAS=bias is not None,
+        USE_SOFTCAP=static.soft_cap is not None,
+        DOT_PRECISION="ieee" if q.dtype == jnp.float32 else "tf32",
+        num_warps=blocks.num_warps, num_stages=blocks.num_stages,
+    )
+    rule_args = [q_seg, kv_seg, q_pos, kv_pos, token_mask, bias_arg]
+    return rule_args, scalars, meta
+
+
+def _fwd(static: _Static, q, k, v, sinks, bias, rule, mask: BlockMask):
+    """Forward launch: ``o`` ``[B, Hq, T, Dv]`` (query dtype) and ``lse`` ``[B, Hq, T]`` fp32, base 2."""
+    B, H, T, _ = q.shape
+    DV = v.shape[3]
+    rule_args, scalars, meta = _common(static, q, k, v, bias, rule, mask, static.fwd)
+    sink_arg = jnp.zeros((1,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
+    return triton_call(
+        q, k, v, *rule_args, sink_arg, mask.partial_count, mask.partial_index, mask.full_count,
+        mask.full_index, *scalars,
+        kernel=_attention_fwd_kernel,
+        out_shape=[jax.ShapeDtypeStruct((B, H, T, DV), q.dtype), jax.ShapeDtypeStruct((B, H, T), jnp.float32)],
+        grid=(mask.kinds.shape[2], B * H), HAS_SINKS=sinks is not None, **meta,
+    )
+
+
+def _bwd_dkv(static: _Static, q, k, v, do, lse, delta, bias, rule, mask: BlockMask):
+    """dK, dV (summed over each group of query heads), in the key's / value's dtype."""
+    B, H_kv, S, D = k.shape
+    DV = v.shape[3]
+    rule_args, scalars, meta = _common(static, q, k, v, bias, rule, mask, static.bwd)
+    return triton_call(
+        q, k, v, do, lse, delta, *rule_args, mask.t_partial_count, mask.t_partial_index,
+        mask.t_full_count, mask.t_full_index, *scalars,
+        kernel=_attention_dkv_kernel,
+        out_shape=[jax.ShapeDtypeStruct((B, H_kv, S, D), k.dtype), jax.ShapeDtypeStruct((B, H_kv, S, DV), v.dtype)],
+        grid=(mask.kinds.shape[3], B * H_kv), **meta,
+    )
+
+
+def _bwd_dq(static: _Static, q, k, v, do, lse, delta, bias, rule, mask: BlockMask):
+    """dQ in the query's dtype, and dL/d(logits) ``[B, Hq, T, S]`` fp32 when there is a bias."""
+    B, H, T, D = q.shape
+    S = k.shape[2]
+    rule_args, scalars, meta = _common(static, q, k, v, bias, rule, mask, static.bwd)
+    dbias_shape = (B, H, T, S) if bias is not None else (1,)
+    return triton_call(
+        q, k, v, do, lse, delta, *rule_args, mask.partial_count, mask.partial_index, mask.full_count,
+        mask.full_index, *scalars,
+        kernel=_attention_dq_kernel,
+        out_shape=[jax.ShapeDtypeStruct((B, H, T, D), q.dtype), jax.ShapeDtypeStruct(dbias_shape, jnp.float32)],
+        grid=(mask.kinds.shape[2], B * H), **meta,
+    )
+
+
+def _visited_tokens(mask: BlockMask) -> Array:
+    """``[Bm, Hm, T, S]`` bool: pairs inside visited tiles (the dQ kernel writes dbias only there)."""
+    tiles = mask.kinds != EMPTY
+    rows = jnp.repeat(tiles, mask.q_block, axis=2)[:, :, :mask.q_len]
+    return jnp.repeat(rows, mask.kv_block, axis=3)[..., :mask.kv_len]
+
+
+# ----------------------------------------------------------------------------------------------
+# The differentiable op: one custom_vjp around the launchers.
+# ----------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(static, q, k, v, sinks, bias, rule, fwd_mask, bwd_mask):
+    o, _ = vmap_sequentially(functools.partial(_fwd, static))(q, k, v, sinks, bias, rule, fwd_mask)
+    return o
+
+
+def _attention_fwd(static, q, k, v, sinks, bias, rule, fwd_mask, bwd_mask):
+    o, lse = vmap_sequentially(functools.partial(_fwd, static))(q, k, v, sinks, bias, rule, fwd_mask)
+    return o, (q, k, v, sinks, bias, rule, bwd_mask, o, lse)
+
+
+def _attention_bwd(static, residuals, do):
+    q, k, v, sinks, bias, rule, mask, o, lse = residuals
+    delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)  # rowsum(dO * O)
+    dk, dv = vmap_sequentially(functools.partial(_bwd_dkv, static))(q, k, v, do, lse, delta, bias, rule, mask)
+    dq, dlogits = vmap_sequentially(functools.partial(_bwd_dq, static))(q, k, v, do, lse, delta, bias, rule, mask)
+    dsinks = dbias = None
+    if sinks is not None:  # dL/dsink_h = -sum_i exp(sink_h - lse_i) delta_i
+        p_sink = jnp.exp2(sinks.astype(jnp.float32)[:, None] * LOG2E - lse)
+        dsinks = (-jnp.sum(p_sink * delta, axis=(0, 2))).astype(sinks.dtype)
+    if bias is not None:  # the public function made bias 4-D; sum over its broadcast axes
+        dlogits = jnp.where(_visited_tokens(mask), dlogits, 0.0)  # tiles never visited: never written
+        axes = tuple(i for i in range(4) if bias.shape[i] == 1 and dlogits.shape[i] != 1)
+        dbias = jnp.sum(dlogits, axis=axes, keepdims=True).astype(bias.dtype)
+    return dq, dk, dv, dsinks, dbias, None, None, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+# ----------------------------------------------------------------------------------------------
+# Checks, the mask a call describes, the reference, and the public function.
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_inputs(query, key, value, softmax_aux, bias, logits_soft_cap, softmax_scale):
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if not hasattr(x, "shape") or len(x.shape) != 4:
+            raise ValueError(f"{name} must be a 4-D array [batch, heads, seq_len, dim], "
+                             f"got shape {getattr(x, 'shape', None)}")
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"{name} must have a floating dtype, got {x.dtype}")
+    B, H, T, D = query.shape
+    if key.shape[0] != B or value.shape[0] != B:
+        raise ValueError(f"key and value must have the query's batch {B}, got {key.shape[0]} and {value.shape[0]}")
+    H_kv, S = key.shape[1], key.shape[2]
+    if tuple(value.shape[:3]) != (B, H_kv, S):
+        raise ValueError(f"value must have shape [batch, kv_heads, kv_len, value_dim] = [{B}, {H_kv}, {S}, *], "
+                         f"got {tuple(value.shape)}")
+    if key.shape[3] != D:
+        raise ValueError(f"key must have the query's head dim {D}, got {key.shape[3]}")
+    if H_kv == 0 or H % H_kv:
+        raise ValueError(f"key/value heads ({H_kv}) must divide the query heads ({H})")
+    if D == 0 or value.shape[3] == 0:
+        raise ValueError(f"head dims must be >= 1, got query/key {D} and value {value.shape[3]}")
+    if softmax_aux is not None:
+        if getattr(softmax_aux, "shape", None) != (H,) or not jnp.issubdtype(softmax_aux.dtype, jnp.floating):
+            raise ValueError(f"softmax_aux must be a float array [num_heads] = [{H}], "
+                             f"got {getattr(softmax_aux, 'shape', None)}")
+    if bias is not None:
+        shape = tuple(getattr(bias, "shape", ()))
+        full = (B, H, T, S)
+        padded = (1,) * (4 - len(shape)) + shape
+        if len(shape) > 4 or any(b not in (1, f) for b, f in zip(padded, full)):
+            raise ValueError(f"bias must broadcast to [batch, heads, q_len, kv_len] = {list(full)}, got {list(shape)}")
+        if not jnp.issubdtype(bias.dtype, jnp.floating):
+            raise ValueError(f"bias must have a floating dtype, got {bias.dtype}")
+    if logits_soft_cap is not None and not (isinstance(logits_soft_cap, (int, float)) and logits_soft_cap > 0):
+        raise ValueError(f"logits_soft_cap must be a positive number, got {logits_soft_cap!r}")
+    if softmax_scale is not None and not isinstance(softmax_scale, (int, float, np.floating, np.integer)):
+        raise ValueError(f"softmax_scale must be a Python number (static), got {type(softmax_scale).__name__}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _MaskSpec:
+    rule: TokenRule | None
+    layout: Array | None
+    layout_block: tuple[int, int] | None
+    combine: str
+    prebuilt: BlockMask | None  # a caller's BlockMask usable as it is
+
+
+def _mask_spec(B, H, T, S, q_segment_ids, kv_segment_ids, q_positions, kv_positions, attention_mask,
+               qkv_layouts, mask_builder, sliding_window, chunk_size, causal, default_block) -> _MaskSpec:
+    """The token rule and block layout a call describes (every rule given must hold)."""
+    rule = token_rule(T, S, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                      q_positions=q_positions, kv_positions=kv_positions, causal=causal,
+                      sliding_window=sliding_window, attention_mask=attention_mask, batch=B, heads=H)
+    if qkv_layouts is not None and mask_builder is not None:
+        raise ValueError("give qkv_layouts or mask_builder, not both")
+    if mask_builder is not None:
+        if not callable(mask_builder):
+            raise ValueError(f"mask_builder must be a callable returning a BlockMask or a block layout, "
+                             f"got {type(mask_builder).__name__}")
+        qkv_layouts = mask_builder()
+    if qkv_layouts is None:
+        return _MaskSpec(rule, None, None, "and", None)
+    if isinstance(qkv_layouts, BlockMask):
+        given = qkv_layouts
+        if (given.q_len, given.kv_len) != (T, S):
+            raise ValueError(f"qkv_layouts covers lengths {(given.q_len, given.kv_len)}, the inputs {(T, S)}")
+        Bm, Hm = given.kinds.shape[:2]
+        if Bm not in (1, B) or Hm not in (1, H):
+            raise ValueError(f"qkv_layouts has batch {Bm} and heads {Hm}; expected 1 or {B}, 1 or {H}")
+        if rule is None:
+            return _MaskSpec(given.rule, given.layout, given.layout_block, given.combine, given)
+        if given.rule is None:
+            return _MaskSpec(rule, given.layout, given.layout_block, "and", None)
+        dense = given.token_mask() & rule.dense(T, S)  # two rules: exact through the dense mask
+        return _MaskSpec(TokenRule(attention_mask=dense), None, None, "and", None)
+    from ejk_lite.masking import _check_block, _check_layout
+
+    block = chunk_size if chunk_size is not None else default_block
+    block = (block, block) if isinstance(block, (int, np.integer)) else tuple(block)
+    _check_block("chunk_size", block[0])
+    _check_block("chunk_size", block[1])
+    layout = _check_layout(qkv_layouts, T, S, block, H)
+    return _MaskSpec(rule, layout, block, "and", None)
+
+
+def _reference_spec(query, key, value, softmax_aux, bias, spec: _MaskSpec, scale, logits_soft_cap):
+    from ejk_lite.masking import dense_mask
+
+    B, H, T, D = query.shape
+    G = H // key.shape[1]
+    dtype = jnp.promote_types(query.dtype, jnp.float32)
+    q = query.astype(dtype)
+    k = jnp.repeat(key.astype(dtype), G, axis=1)
+    v = jnp.repeat(value.astype(dtype), G, axis=1)
+    s = jnp.einsum("bhtd,bhsd->bhts", q, k) * scale
+    if logits_soft_cap is not None:
+        s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
+    if bias is not None:
+        s = s + bias.astype(dtype)
+    visible = dense_mask(spec.rule, spec.layout, spec.layout_block, spec.combine, T, key.shape[2])
+    visible = jnp.broadcast_to(visible, s.shape)
+    s = jnp.where(visible, s, -jnp.inf)
+    m = jnp.max(s, axis=-1)
+    if softmax_aux is not None:
+        sink = softmax_aux.astype(dtype)[None, :, None]
+        m = jnp.maximum(m, sink)
+    m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+    e = jnp.where(visible, jnp.exp(s - m[..., None]), 0.0)
+    denom = jnp.sum(e, axis=-1)
+    if softmax_aux is not None:
+        denom = denom + jnp.exp(sink - m)
+    o = jnp.einsum("bhts,bhsd->bhtd", e, v) / jnp.where(denom == 0, 1.0, denom)[..., None]
+    return o.astype(query.dtype)
+
+
+def _prepare(query, key, value, q_segment_ids, kv_segment_ids, q_positions, kv_positions, softmax_aux, bias,
+             attention_mask, logits_soft_cap, qkv_layouts, softmax_scale, mask_builder, sliding_window,
+             chunk_size, causal, default_block):
+    _check_inputs(query, key, value, softmax_aux, bias, logits_soft_cap, softmax_scale)
+    B, H, T, D = query.shape
+    S = key.shape[2]
+    spec = _mask_spec(B, H, T, S, q_segment_ids, kv_segment_ids, q_positions, kv_positions, attention_mask,
+                      qkv_layouts, mask_builder, sliding_window, chunk_size, causal, default_block)
+    scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
+    if bias is not None:
+        bias = jnp.asarray(bias).reshape((1,) * (4 - jnp.ndim(bias)) + tuple(jnp.shape(bias)))
+    cap = None if logits_soft_cap is None else float(logits_soft_cap)
+    return spec, scale, bias, cap
+
+
+def reference(query: Array, key: Array, value: Array, q_segment_ids: Array | None = None,
+              kv_segment_ids: Array | None = None, q_positions: Array | None = None,
+              kv_positions: Array | None = None, softmax_aux: Array | None = None, bias: Array | None = None,
+              attention_mask: Array | None = None, logits_soft_cap: float | None = None, qkv_layouts: Any = None,
+              softmax_scale: float | None = None, mask_builder: Callable[[], Any] | None = None,
+              sliding_window: int | tuple[int, int] | None = None, chunk_size: int | None = None,
+              causal: bool = True) -> Array:
+    """Dense attention in plain JAX with :func:`blocksparse_attention`'s semantics (float32, or float64
+    for float64 inputs). Memory ``B x Hq x T x S``: for tests, small shapes and ``impl="xla"``."""
+    spec, scale, bias, cap = _prepare(query, key, value, q_segment_ids, kv_segment_ids, q_positions,
+                                      kv_positions, softmax_aux, bias, attention_mask, logits_soft_cap,
+                                      qkv_layouts, softmax_scale, mask_builder, sliding_window, chunk_size,
+                                      causal, (128, 128))
+    return _reference_spec(query, key, value, softmax_aux, bias, spec, scale, cap)
+
+
+def _triton_supported(query, value, fwd: BlockSizes, bwd: BlockSizes) -> str | None:
+    """Why the Triton kernels cannot run this call (``None`` if they can)."""
+    if query.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+        return f"dtype {query.dtype} (the kernels take float32, bfloat16, float16)"
+    if max(query.shape[3], value.shape[3]) > 256:
+        return f"head dims {query.shape[3]}/{value.shape[3]} (the kernels take up to 256)"
+    for blocks in (fwd, bwd):
+        if min(blocks.block_q, blocks.block_kv) < 16:
+            return f"block sizes {blocks.block_q}x{blocks.block_kv} (tl.dot needs at least 16)"
+    return None
+
+
+def _fit(blocks: BlockSizes, spec: _MaskSpec) -> BlockSizes:
+    """Kernel tiles never larger than the layout's tiles (so that the mask stays exact)."""
+    if spec.layout_block is None:
+        return blocks
+    return dataclasses.replace(blocks, block_q=min(blocks.block_q, spec.layout_block[0]),
+                               block_kv=min(blocks.block_kv, spec.layout_block[1]))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _run(static: _Static, layout_block, combine, query, key, value, softmax_aux, bias, rule, layout, prebuilt):
+    T, S = query.shape[2], key.shape[2]
+
+    def mask_at(blocks: BlockSizes) -> BlockMask:
+        if prebuilt is not None:
+            return prebuilt.with_blocks(blocks.block_q, blocks.block_kv)
+        return _build(rule, layout, layout_block, combine, T, S, blocks.block_q, blocks.block_kv)
+
+    fwd_mask = mask_at(static.fwd)
+    same = (static.fwd.block_q, static.fwd.block_kv) == (static.bwd.block_q, static.bwd.block_kv)
+    bwd_mask = fwd_mask if same else mask_at(static.bwd)
+    return _attention(static, query, key, value, softmax_aux, bias, rule, fwd_mask, bwd_mask)
+
+
+def blocksparse_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    q_segment_ids: Array | None = None,
+    kv_segment_ids: Array | None = None,
+    q_positions: Array | None = None,
+    kv_positions: Array | None = None,
+    softmax_aux: Array | None = None,
+    bias: Array | None = None,
+    attention_mask: Array | None = None,
+    logits_soft_cap: float | None = None,
+    qkv_layouts: BlockMask | Array | None = None,
+    softmax_scale: float | None = None,
+    mask_builder: Callable[[], Any] | None = None,
+    sliding_window: int | tuple[int, int] | None = None,
+    chunk_size: int | tuple[int, int] | None = None,
+    causal: bool = True,
+    fwd_blocks: BlockSizes | None = None,
+    bwd_blocks: BlockSizes | None = None,
+    impl: str = "auto",
+) -> Array:
+    """Attention that visits only the tiles its mask lists; differentiable in query, key, value,
+    ``softmax_aux`` and ``bias``.
+
+    Args:
+        query: ``[B, Hq, T, D]``; key: ``[B, Hkv, S, D]``; value: ``[B, Hkv, S, Dv]``, ``Hq % Hkv == 0``.
+        q_segment_ids, kv_segment_ids: ``[B, T]`` / ``[B, S]`` ints; only equal ids attend (packing).
+        q_positions, kv_positions: ``[B, T]`` / ``[B, S]`` ints for ``causal`` and the window
+            (``arange`` by default), in ``(-2**30, 2**30)``.
+        softmax_aux: ``[Hq]`` one sink logit per head, in every row's denominator, with no value.
+        bias: broadcastable to ``[B, Hq, T, S]``, added to the (soft-capped) logits.
+        attention_mask: ``[B or 1, Hq or 1, T, S]`` bool or 0/1; honoured exactly.
+        logits_soft_cap: ``cap``: logits become ``cap * tanh(logits / cap)`` before the bias.
+        qkv_layouts: a :class:`~ejk_lite.masking.BlockMask` (e.g. from ``make_block_mask``, built once
+            and reused across layers), or a boolean block layout ``[nQ, nK]`` / ``[Hq, nQ, nK]`` whose
+            tiles are ``chunk_size`` tokens (default 128); listed tiles may be visited.
+        softmax_scale: a Python number, ``D ** -0.5`` by default.
+        mask_builder: a callable with no arguments returning what ``qkv_layouts`` takes.
+        sliding_window: ``W`` or ``(left, right)``: visible iff ``q_pos - left <= kv_pos <= q_pos + right``.
+        chunk_size: tile size of a boolean ``qkv_layouts`` (int or ``(q, kv)``).
+        causal: ``q_pos >= kv_pos`` (default True, as the seed).
+        fwd_blocks, bwd_blocks: :class:`BlockSizes` for the forward and for the backward kernels.
+        impl: ``"triton"``, ``"xla"`` (the dense :func:`reference`) or ``"auto"`` (Triton where the
+            kernels support the call, else XLA).
+
+    A pair is visible iff every rule given holds. A query row that sees no key gets zeros (and
+    passes no gradient). Returns ``[B, Hq, T, Dv]`` in the query's dtype.
+    """
+    if impl not in ("auto", "triton", "xla"):
+        raise ValueError(f"impl must be 'auto', 'triton' or 'xla', got {impl!r}")
+    for name, blocks in (("fwd_blocks", fwd_blocks), ("bwd_blocks", bwd_blocks)):
+        if blocks is not None and not isinstance(blocks, BlockSizes):
+            raise ValueError(f"{name} must be a BlockSizes, got {type(blocks).__name__}")
+    D = query.shape[-1] if hasattr(query, "shape") and len(query.shape) == 4 else 0
+    fwd = fwd_blocks or BlockSizes.forward(D)
+    bwd = bwd_blocks or BlockSizes.backward(D)
+    default_block = (128, 128)
+    spec, scale, bias, cap = _prepare(query, key, value, q_segment_ids, kv_segment_ids, q_positions,
+                                      kv_positions, softmax_aux, bias, attention_mask, logits_soft_cap,
+                                      qkv_layouts, softmax_scale, mask_builder, sliding_window, chunk_size,
+                                      causal, default_block)
+    fwd, bwd = _fit(fwd, spec), _fit(bwd, spec)
+    for blocks in (fwd, bwd):
+        from ejk_lite.masking import _check_block
+
+        _check_block("block_q", blocks.block_q)
+        _check_block("block_kv", blocks.block_kv)
+    unsupported = _triton_supported(query, value, fwd, bwd)
+    if impl == "triton" and unsupported:
+        raise ValueError(f"impl='triton' cannot run this call: {unsupported}")
+    if impl == "xla" or (impl == "auto" and unsupported):
+        return _reference_spec(query, key, value, softmax_aux, bias, spec, scale, cap)
+    B, H, T, _ = query.shape
+    S, DV = key.shape[2], value.shape[3]
+    if T == 0 or S == 0:  # nothing to attend to: zeros, and zero gradients
+        return jnp.zeros((B, H, T, DV), query.dtype)
+    rule = spec.rule
+    static = _Static(
+        scale=scale, soft_cap=cap, fwd=fwd, bwd=bwd,
+        causal=bool(rule is not None and rule.causal), window=None if rule is None else rule.window,
+        has_segments=rule is not None and rule.q_segment_ids is not None,
+        has_token_mask=rule is not None and rule.attention_mask is not None,
+    )
+    return _run(static, spec.layout_block, spec.combine, query, key, value, softmax_aux, bias, rule,
+                spec.layout, spec.prebuilt)

@@ -1,0 +1,535 @@
+"""Block masks: which tiles of the attention matrix a kernel visits, and which of them need a token mask.
+
+An attention kernel works on tiles: a block of ``q_block`` queries against a block of ``kv_block``
+keys. For a given mask every tile is one of three kinds:
+
+* **empty** (0): no query of the block sees any key of the block. The kernel skips the tile.
+* **partial** (1): some pairs are visible, some are not. The kernel computes the tile and then
+  evaluates the *token rule* (segment ids, positions, causal, window, token mask) pair by pair.
+* **full** (2): every pair is visible. The kernel computes the tile and needs no per-token test.
+
+:class:`BlockMask` stores the kinds and, so that a kernel can walk them without scanning a whole row,
+the same information as padded lists (FlexAttention's ``BlockMask`` does the same): for every
+(batch row, head, query block) the number of partial key blocks and their indices, and the number of
+full key blocks and their indices. The *transposed* lists (for every key block, the query blocks that
+visit it) are what a dK/dV backward walks. All arrays have fixed shapes, so a mask is built and used
+under ``jax.jit``; it is a pytree, so it passes through ``jit`` and ``custom_vjp``.
+
+**What a mask means, token by token.** A mask is a *token rule* ``R`` (any of: equal segment ids;
+``q_pos >= kv_pos`` for ``causal``; ``q_pos - left <= kv_pos <= q_pos + right`` for a sliding window;
+a token-level ``attention_mask``), optionally combined with a *block layout* ``L`` (a boolean per
+``layout_block`` tile) by ``and`` or ``or``. The kernel evaluates ``R`` in partial tiles only. That is
+exact because a layout never makes a tile partial: kernel tiles are never larger than layout tiles, so
+a listed layout tile covers whole kernel tiles, which are then full where the layout decides (``or``)
+or decided by ``R`` (``and``). The block sizes of a mask are a property of the *kernel*; the same mask
+at other block sizes (a backward's) is :meth:`BlockMask.with_blocks`, one call.
+
+**Exact.** A tile is listed iff at least one pair in it is visible and full iff all are (pairs past the
+ends of the sequences do not count). With a token ``attention_mask`` this is computed from the dense
+mask; without one, from per-block summaries (for *full*) and a binary search per query token over each
+key block's keys sorted by (segment, position) (for *any*), which is exact for positions in any order.
+
+Positions are ``int32`` and must lie in ``(-2**30, 2**30)``; windows are clipped to ``2**30``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import Array
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+_BIG = 2**30  # windows are clipped here so that position +- window never overflows int32
+_I32_MIN, _I32_MAX = int(np.iinfo(np.int32).min), int(np.iinfo(np.int32).max)
+
+
+# ----------------------------------------------------------------------------------------------
+# The token rule: what a partial tile evaluates pair by pair.
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenRule:
+    """Visibility of one (query token, key token) pair; every rule given must hold.
+
+    Arrays have a leading batch axis of 1 (shared by every row) or B. ``attention_mask`` is
+    ``[B or 1, H or 1, T, S]`` bool.
+    """
+
+    q_segment_ids: Array | None = None
+    kv_segment_ids: Array | None = None
+    q_positions: Array | None = None
+    kv_positions: Array | None = None
+    attention_mask: Array | None = None
+    causal: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    window: tuple[int, int] | None = dataclasses.field(default=None, metadata=dict(static=True))
+
+    @property
+    def uses_positions(self) -> bool:
+        return self.causal or self.window is not None
+
+    @property
+    def batch(self) -> int:
+        arrays = (self.q_segment_ids, self.kv_segment_ids, self.q_positions, self.kv_positions)
+        sizes = [a.shape[0] for a in arrays if a is not None]
+        if self.attention_mask is not None:
+            sizes.append(self.attention_mask.shape[0])
+        return max(sizes, default=1)
+
+    @property
+    def heads(self) -> int:
+        return 1 if self.attention_mask is None else self.attention_mask.shape[1]
+
+    def positions(self, q_len: int, kv_len: int) -> tuple[Array, Array]:
+        """Query and key positions, ``[batch or 1, len]`` int32 (``arange`` where not given)."""
+        qp = self.q_positions if self.q_positions is not None else jnp.arange(q_len, dtype=jnp.int32)[None]
+        kp = self.kv_positions if self.kv_positions is not None else jnp.arange(kv_len, dtype=jnp.int32)[None]
+        return qp, kp
+
+    def segments(self, q_len: int, kv_len: int) -> tuple[Array, Array]:
+        """Query and key segment ids, ``[batch or 1, len]`` int32 (one segment where not given)."""
+        qs = self.q_segment_ids if self.q_segment_ids is not None else jnp.zeros((1, q_len), jnp.int32)
+        ks = self.kv_segment_ids if self.kv_segment_ids is not None else jnp.zeros((1, kv_len), jnp.int32)
+        return qs, ks
+
+    def key_interval(self, q_pos: Array) -> tuple[Array, Array]:
+        """The closed interval of key positions a query at ``q_pos`` may see: ``[lo, hi]``."""
+        lo = jnp.full_like(q_pos, _I32_MIN)
+        hi = jnp.full_like(q_pos, _I32_MAX)
+        if self.window is not None:
+            left, right = self.window
+            lo = q_pos - min(left, _BIG)
+            hi = q_pos + min(right, _BIG)
+        if self.causal:
+            hi = jnp.minimum(hi, q_pos)
+        return lo, hi
+
+    def dense(self, q_len: int, kv_len: int) -> Array:
+        """The rule as a dense boolean ``[batch, heads, T, S]`` (for tests, pictures, small sizes)."""
+        qs, ks = self.segments(q_len, kv_len)
+        qp, kp = self.positions(q_len, kv_len)
+        lo, hi = self.key_interval(qp)
+        kpos = kp[:, None, :]
+        visible = (qs[:, :, None] == ks[:, None, :]) & (lo[:, :, None] <= kpos) & (kpos <= hi[:, :, None])
+        visible = visible[:, None]
+        if self.attention_mask is not None:
+            visible = visible & self.attention_mask
+        return visible
+
+
+jax.tree_util.register_dataclass(
+    TokenRule,
+    data_fields=["q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions", "attention_mask"],
+    meta_fields=["causal", "window"],
+)
+
+
+# ----------------------------------------------------------------------------------------------
+# The block mask.
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockMask:
+    """Which key blocks each query block visits (and the transposed view), at one pair of block sizes.
+
+    Arrays (``Bm`` is 1 or the batch, ``Hm`` 1 or the number of query heads; size 1 broadcasts):
+
+    * ``kinds`` ``[Bm, Hm, nQ, nK]`` int8: ``EMPTY`` / ``PARTIAL`` / ``FULL`` per tile;
+    * ``partial_count`` ``[Bm, Hm, nQ]`` and ``partial_index`` ``[Bm, Hm, nQ, nK]`` int32: the
+      partial key blocks of each query block, ascending, first ``partial_count`` entries valid;
+      ``full_count`` / ``full_index`` likewise for full key blocks;
+    * ``t_partial_count`` ``[Bm, Hm, nK]`` / ``t_partial_index`` ``[Bm, Hm, nK, nQ]`` and
+      ``t_full_*``: the same, transposed (the query blocks that visit each key block).
+
+    ``rule`` is the token rule partial tiles evaluate (``None``: every pair of a listed tile is
+    visible); ``layout`` an optional boolean ``[1 or H, nLQ, nLK]`` at ``layout_block`` tokens per tile,
+    combined with the rule by ``combine`` (``"and"`` / ``"or"``).
+    """
+
+    kinds: Array
+    partial_count: Array
+    partial_index: Array
+    full_count: Array
+    full_index: Array
+    t_partial_count: Array
+    t_partial_index: Array
+    t_full_count: Array
+    t_full_index: Array
+    rule: TokenRule | None
+    layout: Array | None
+    q_len: int = dataclasses.field(metadata=dict(static=True))
+    kv_len: int = dataclasses.field(metadata=dict(static=True))
+    q_block: int = dataclasses.field(metadata=dict(static=True))
+    kv_block: int = dataclasses.field(metadata=dict(static=True))
+    layout_block: tuple[int, int] | None = dataclasses.field(default=None, metadata=dict(static=True))
+    combine: str = dataclasses.field(default="and", metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """``(Bm, Hm, nQ, nK)``."""
+        return tuple(self.kinds.shape)
+
+    def with_blocks(self, q_block: int, kv_block: int) -> BlockMask:
+        """The same mask (same token semantics) at other block sizes, e.g. the backward's."""
+        if (q_block, kv_block) == (self.q_block, self.kv_block):
+            return self
+        return _build(self.rule, self.layout, self.layout_block, self.combine,
+                      self.q_len, self.kv_len, q_block, kv_block)
+
+    def token_mask(self) -> Array:
+        """The mask as a dense boolean ``[Bm, Hm, T, S]``: memory T x S, for tests and pictures."""
+        return dense_mask(self.rule, self.layout, self.layout_block, self.combine, self.q_len, self.kv_len)
+
+    def visited_fraction(self) -> Array:
+        """Fraction of tiles visited (partial or full), per ``[Bm, Hm]``: the work relative to dense."""
+        return jnp.mean((self.kinds != EMPTY).astype(jnp.float32), axis=(-2, -1))
+
+    def __and__(self, other: BlockMask) -> BlockMask:
+        return intersection(self, other)
+
+    def __or__(self, other: BlockMask) -> BlockMask:
+        return union(self, other)
+
+
+jax.tree_util.register_dataclass(
+    BlockMask,
+    data_fields=["kinds", "partial_count", "partial_index", "full_count", "full_index",
+                 "t_partial_count", "t_partial_index", "t_full_count", "t_full_index", "rule", "layout"],
+    meta_fields=["q_len", "kv_len", "q_block", "kv_block", "layout_block", "combine"],
+)
+
+
+def dense_mask(rule: TokenRule | None, layout: Array | None, layout_block: tuple[int, int] | None,
+               combine: str, T: int, S: int) -> Array:
+    """A rule and a layout as one dense boolean ``[Bm, Hm, T, S]`` (the definition the kernels meet)."""
+    visible = None if rule is None else rule.dense(T, S)
+    if layout is not None:
+        lq, lk = layout_block
+        tokens = jnp.repeat(jnp.repeat(layout, lq, axis=-2)[..., :T, :], lk, axis=-1)[..., :S][None]
+        visible = tokens if visible is None else (visible & tokens if combine == "and" else visible | tokens)
+    if visible is None:
+        visible = jnp.ones((1, 1, T, S), bool)
+    return visible
+
+
+# ----------------------------------------------------------------------------------------------
+# Tile kinds, step by step: from a token rule, from a dense token mask, from a layout.
+# ----------------------------------------------------------------------------------------------
+
+
+def _blocks(x: Array, length: int, block: int, fill: Any) -> Array:
+    """``[..., length]`` -> ``[..., n_blocks, block]``, the tail padded with ``fill``."""
+    n = -(-length // block)
+    pad = [(0, 0)] * (x.ndim - 1) + [(0, n * block - length)]
+    return jnp.pad(x, pad, constant_values=fill).reshape(*x.shape[:-1], n, block)
+
+
+def _count_before(sorted_seg, sorted_pos, n_valid, seg, pos, inclusive: bool) -> Array:
+    """How many of a block's sorted keys come before ``(seg, pos)`` (lexicographically; ``<=`` if
+    ``inclusive``). ``sorted_*`` are ``[Bm, nK, bk]``, ``n_valid`` ``[Bm, 1, nK]``, ``seg``/``pos``
+    ``[Bm, T, 1]``; the result is ``[Bm, T, nK]``. A binary search, ``log2(bk) + 1`` steps."""
+    Bm, nK, bk = sorted_seg.shape
+    lo = jnp.zeros((Bm, seg.shape[1], nK), jnp.int32)
+    hi = jnp.broadcast_to(n_valid, lo.shape)
+    keys_seg, keys_pos = sorted_seg[:, None], sorted_pos[:, None]  # [Bm, 1, nK, bk]
+    for _ in range(int(math.log2(bk)) + 1):
+        mid = (lo + hi) // 2
+        at = jnp.minimum(mid, bk - 1)[..., None]
+        s = jnp.take_along_axis(keys_seg, at, axis=-1)[..., 0]
+        p = jnp.take_along_axis(keys_pos, at, axis=-1)[..., 0]
+        before = (s < seg) | ((s == seg) & ((p <= pos) if inclusive else (p < pos)))
+        active = lo < hi
+        lo = jnp.where(active & before, mid + 1, lo)
+        hi = jnp.where(active & ~before, mid, hi)
+    return lo
+
+
+def _rule_kinds(rule: TokenRule, T: int, S: int, bq: int, bk: int) -> Array:
+    """Tile kinds ``[Bm, Hm, nQ, nK]`` of a token rule, exact for any segments and positions."""
+    if rule.attention_mask is not None:
+        return _dense_kinds(rule.dense(T, S), T, S, bq, bk)
+    qs, ks = rule.segments(T, S)
+    qp, kp = rule.positions(T, S)
+    B = max(qs.shape[0], ks.shape[0], qp.shape[0], kp.shape[0])
+    qs, qp = jnp.broadcast_to(qs, (B, T)), jnp.broadcast_to(qp, (B, T))
+    ks, kp = jnp.broadcast_to(ks, (B, S)), jnp.broadcast_to(kp, (B, S))
+    lo, hi = rule.key_interval(qp)
+
+    # Full: every (valid) query of the block sees every (valid) key of the block. With one segment on
+    # both sides, that is: the largest lower bound <= the smallest key position, and the largest key
+    # position <= the smallest upper bound.
+    def summary(x, length, block, reduce, fill):
+        return reduce(_blocks(x, length, block, fill), axis=-1)
+
+    q_seg_lo, q_seg_hi = summary(qs, T, bq, jnp.min, _I32_MAX), summary(qs, T, bq, jnp.max, _I32_MIN)
+    k_seg_lo, k_seg_hi = summary(ks, S, bk, jnp.min, _I32_MAX), summary(ks, S, bk, jnp.max, _I32_MIN)
+    lo_max, hi_min = summary(lo, T, bq, jnp.max, _I32_MIN), summary(hi, T, bq, jnp.min, _I32_MAX)
+    k_pos_lo, k_pos_hi = summary(kp, S, bk, jnp.min, _I32_MAX), summary(kp, S, bk, jnp.max, _I32_MIN)
+    one_segment = ((q_seg_lo == q_seg_hi)[:, :, None] & (k_seg_lo == k_seg_hi)[:, None, :]
+                   & (q_seg_lo[:, :, None] == k_seg_lo[:, None, :]))
+    full = one_segment & (lo_max[:, :, None] <= k_pos_lo[:, None, :]) & (k_pos_hi[:, None, :] <= hi_min[:, :, None])
+
+    # Any: for each query token, count the keys of each key block inside [(seg, lo), (seg, hi)],
+    # with the keys sorted by (segment, position) and the padding past S sorted last.
+    n_kb = -(-S // bk)
+    valid_k = _blocks(jnp.ones((1, S), bool), S, bk, False)  # [1, nK, bk]
+    seg_b = jnp.where(valid_k, _blocks(ks, S, bk, 0), _I32_MAX)
+    pos_b = jnp.where(valid_k, _blocks(kp, S, bk, 0), _I32_MAX)
+    order = jnp.lexsort((pos_b, seg_b), axis=-1)
+    seg_sorted = jnp.take_along_axis(seg_b, order, axis=-1)
+    pos_sorted = jnp.take_along_axis(pos_b, order, axis=-1)
+    n_valid = jnp.sum(valid_k, axis=-1, dtype=jnp.int32)[:, None, :]  # [1, 1, nK]
+    first = _count_before(seg_sorted, pos_sorted, n_valid, qs[:, :, None], lo[:, :, None], inclusive=False)
+    last = _count_before(seg_sorted, pos_sorted, n_valid, qs[:, :, None], hi[:, :, None], inclusive=True)
+    sees = (last > first).swapaxes(1, 2)  # [B, nK, T]: query token sees something in the key block
+    any_visible = jnp.any(_blocks(sees, T, bq, False), axis=-1).swapaxes(1, 2)  # [B, nQ, nK]
+    del n_kb
+    kinds = jnp.where(full, FULL, jnp.where(any_visible, PARTIAL, EMPTY)).astype(jnp.int8)
+    return kinds[:, None]
+
+
+def _dense_kinds(visible: Array, T: int, S: int, bq: int, bk: int) -> Array:
+    """Tile kinds of a dense boolean ``[Bm, Hm, T, S]``: padding counts as invisible for *any* and
+    visible for *all*, so only real pairs decide."""
+    def tiles(fill):
+        x = _blocks(visible, S, bk, fill)  # [..., T, nK, bk]
+        x = _blocks(x.swapaxes(-3, -1), T, bq, fill)  # [..., bk, nK, nQ, bq]
+        return x
+
+    any_visible = jnp.any(tiles(False), axis=(-4, -1)).swapaxes(-1, -2)
+    all_visible = jnp.all(tiles(True), axis=(-4, -1)).swapaxes(-1, -2)
+    return jnp.where(all_visible, FULL, jnp.where(any_visible, PARTIAL, EMPTY)).astype(jnp.int8)
+
+
+def _layout_kinds(layout: Array, layout_block: tuple[int, int], T: int, S: int, bq: int, bk: int) -> Array:
+    """A layout refined to kernel tiles (never coarser than the layout): FULL where listed."""
+    lq, lk = layout_block
+    rows = (jnp.arange(-(-T // bq)) * bq) // lq
+    cols = (jnp.arange(-(-S // bk)) * bk) // lk
+    listed = layout[:, rows][:, :, cols]
+    return jnp.where(listed, FULL, EMPTY).astype(jnp.int8)[None]
+
+
+def _lists(kinds: Array, kind: int) -> tuple[Array, Array]:
+    """Count and ascending indices of the ``kind`` tiles along the last axis (padded lists)."""
+    selected = kinds == kind
+    count = jnp.sum(selected, axis=-1, dtype=jnp.int32)
+    index = jnp.argsort(~selected, axis=-1, stable=True).astype(jnp.int32)
+    return count, index
+
+
+def _build(rule, layout, layout_block, combine, T, S, bq, bk) -> BlockMask:
+    _check_block("q_block", bq)
+    _check_block("kv_block", bk)
+    if layout is not None and (bq > layout_block[0] or bk > layout_block[1]):
+        raise ValueError(f"block sizes ({bq}, {bk}) must not exceed the layout's tiles {layout_block}: "
+                         "a kernel tile must lie inside one layout tile for the mask to stay exact")
+    nQ, nK = -(-T // bq), -(-S // bk)
+    kinds = None if rule is None else _rule_kinds(rule, T, S, bq, bk)
+    if layout is not None:
+        lk = _layout_kinds(layout, layout_block, T, S, bq, bk)
+        if kinds is None:
+            kinds = lk
+        else:
+            kinds = jnp.minimum(kinds, lk) if combine == "and" else jnp.maximum(kinds, lk)
+    if kinds is None:
+        kinds = jnp.full((1, 1, nQ, nK), FULL, jnp.int8)
+    rows_t = kinds.swapaxes(-1, -2)
+    pc, pi = _lists(kinds, PARTIAL)
+    fc, fi = _lists(kinds, FULL)
+    tpc, tpi = _lists(rows_t, PARTIAL)
+    tfc, tfi = _lists(rows_t, FULL)
+    return BlockMask(kinds, pc, pi, fc, fi, tpc, tpi, tfc, tfi, rule, layout,
+                     q_len=T, kv_len=S, q_block=bq, kv_block=bk,
+                     layout_block=None if layout is None else tuple(layout_block), combine=combine)
+
+
+# ----------------------------------------------------------------------------------------------
+# Checks, then the public builders.
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_block(name: str, size: Any) -> None:
+    if not isinstance(size, (int, np.integer)) or size < 1 or size & (size - 1):
+        raise ValueError(f"{name} must be a power of two, got {size!r}")
+
+
+def _check_ids(name: str, x: Any, length: int, batch: int | None) -> Array | None:
+    if x is None:
+        return None
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise ValueError(f"{name} must be an integer array [batch, {length}], got {type(x).__name__}")
+    if len(x.shape) != 2 or x.shape[1] != length:
+        raise ValueError(f"{name} must have shape [batch, {length}], got {tuple(x.shape)}")
+    if batch is not None and x.shape[0] not in (1, batch):
+        raise ValueError(f"{name} has batch {x.shape[0]}, expected 1 or {batch}")
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise ValueError(f"{name} must have an integer dtype, got {x.dtype}")
+    return jnp.asarray(x).astype(jnp.int32)
+
+
+def normalize_window(sliding_window: Any) -> tuple[int, int] | None:
+    """``None``, an int ``W`` (-> ``(W, W)``) or ``(left, right)``, each a non-negative int."""
+    if sliding_window is None:
+        return None
+    window = (sliding_window, sliding_window) if isinstance(sliding_window, (int, np.integer)) else sliding_window
+    if (not isinstance(window, (tuple, list)) or len(window) != 2
+            or not all(isinstance(w, (int, np.integer)) and not isinstance(w, bool) for w in window)):
+        raise ValueError(f"sliding_window must be an int or a (left, right) pair of ints, got {sliding_window!r}")
+    if window[0] < 0 or window[1] < 0:
+        raise ValueError(f"sliding_window sizes must be >= 0, got {tuple(window)}")
+    return int(window[0]), int(window[1])
+
+
+def token_rule(q_len: int, kv_len: int, *, q_segment_ids=None, kv_segment_ids=None, q_positions=None,
+               kv_positions=None, causal: bool = False, sliding_window=None, attention_mask=None,
+               batch: int | None = None, heads: int | None = None) -> TokenRule | None:
+    """Check the rule arguments and bundle them (``None`` when no rule is given)."""
+    if (q_segment_ids is None) != (kv_segment_ids is None):
+        missing = "kv_segment_ids" if kv_segment_ids is None else "q_segment_ids"
+        raise ValueError(f"{missing} is missing: give q_segment_ids and kv_segment_ids together")
+    q_segment_ids = _check_ids("q_segment_ids", q_segment_ids, q_len, batch)
+    kv_segment_ids = _check_ids("kv_segment_ids", kv_segment_ids, kv_len, batch)
+    q_positions = _check_ids("q_positions", q_positions, q_len, batch)
+    kv_positions = _check_ids("kv_positions", kv_positions, kv_len, batch)
+    window = normalize_window(sliding_window)
+    if not isinstance(causal, (bool, np.bool_)):
+        raise ValueError(f"causal must be a bool, got {causal!r}")
+    if attention_mask is not None:
+        shape = getattr(attention_mask, "shape", None)
+        if shape is None or len(shape) != 4 or tuple(shape[2:]) != (q_len, kv_len):
+            raise ValueError(f"attention_mask must have shape [batch or 1, heads or 1, {q_len}, {kv_len}], "
+                             f"got {shape}")
+        if batch is not None and shape[0] not in (1, batch):
+            raise ValueError(f"attention_mask has batch {shape[0]}, expected 1 or {batch}")
+        if heads is not None and shape[1] not in (1, heads):
+            raise ValueError(f"attention_mask has {shape[1]} heads, expected 1 or {heads}")
+        dtype = jnp.asarray(attention_mask).dtype
+        if not (dtype == jnp.bool_ or jnp.issubdtype(dtype, jnp.integer)):
+            raise ValueError(f"attention_mask must be bool or 0/1 integers, got {dtype}")
+        attention_mask = jnp.asarray(attention_mask) != 0
+    ids = (q_segment_ids, kv_segment_ids, q_positions, kv_positions)
+    batches = {a.shape[0] for a in ids if a is not None} - {1}
+    if attention_mask is not None and attention_mask.shape[0] != 1:
+        batches.add(attention_mask.shape[0])
+    if len(batches) > 1:
+        raise ValueError(f"segment ids, positions and attention_mask disagree on the batch size: {sorted(batches)}")
+    if all(a is None for a in ids) and attention_mask is None and not causal and window is None:
+        return None
+    if not causal and window is None:  # positions matter only to causal and window rules
+        q_positions = kv_positions = None
+    return TokenRule(q_segment_ids, kv_segment_ids, q_positions, kv_positions, attention_mask,
+                     causal=bool(causal), window=window)
+
+
+def _check_layout(layout: Any, T: int, S: int, layout_block: tuple[int, int], heads: int | None) -> Array:
+    shape = getattr(layout, "shape", None)
+    lq, lk = layout_block
+    expected = (-(-T // lq), -(-S // lk))
+    if shape is None or len(shape) not in (2, 3) or tuple(shape[-2:]) != expected:
+        raise ValueError(f"layout must be a boolean [n_q_blocks, n_kv_blocks] or [heads, n_q_blocks, "
+                         f"n_kv_blocks] with blocks {layout_block}, i.e. [..., {expected[0]}, {expected[1]}]; "
+                         f"got shape {shape}")
+    if len(shape) == 3 and heads is not None and shape[0] not in (1, heads):
+        raise ValueError(f"layout has {shape[0]} heads, expected 1 or {heads}")
+    layout = jnp.asarray(layout)
+    if not (layout.dtype == jnp.bool_ or jnp.issubdtype(layout.dtype, jnp.integer)):
+        raise ValueError(f"layout must be bool or 0/1 integers, got {layout.dtype}")
+    layout = layout != 0
+    return layout if layout.ndim == 3 else layout[None]
+
+
+def make_block_mask(
+    q_len: int,
+    kv_len: int,
+    *,
+    q_block: int = 128,
+    kv_block: int = 128,
+    q_segment_ids: Array | None = None,
+    kv_segment_ids: Array | None = None,
+    q_positions: Array | None = None,
+    kv_positions: Array | None = None,
+    causal: bool = False,
+    sliding_window: int | tuple[int, int] | None = None,
+    attention_mask: Array | None = None,
+    layout: Array | None = None,
+    layout_block: int | tuple[int, int] | None = None,
+    combine: str = "and",
+) -> BlockMask:
+    """Build the block mask of a token rule and/or a block layout, at ``(q_block, kv_block)``.
+
+    Rules (every one given must hold for a pair to be visible): equal ``q_segment_ids`` /
+    ``kv_segment_ids`` ``[B, T]`` / ``[B, S]`` (packed documents); ``causal``: ``q_pos >= kv_pos``;
+    ``sliding_window`` ``W`` or ``(left, right)``: ``q_pos - left <= kv_pos <= q_pos + right``;
+    positions ``[B, T]`` / ``[B, S]``, ``arange`` where not given; ``attention_mask``
+    ``[B or 1, H or 1, T, S]`` (bool or 0/1), honoured exactly. ``layout``: a boolean per tile of
+    ``layout_block`` tokens (default: the block sizes), ``[nLQ, nLK]`` or ``[H, nLQ, nLK]``, combined
+    with the rules by ``combine`` (``"and"``: both must allow a pair; ``"or"``: either). No rule and no
+    layout: every pair is visible.
+    """
+    for name, n in (("q_len", q_len), ("kv_len", kv_len)):
+        if not isinstance(n, (int, np.integer)) or n < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {n!r}")
+    _check_block("q_block", q_block)
+    _check_block("kv_block", kv_block)
+    if combine not in ("and", "or"):
+        raise ValueError(f"combine must be 'and' or 'or', got {combine!r}")
+    rule = token_rule(q_len, kv_len, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                      q_positions=q_positions, kv_positions=kv_positions, causal=causal,
+                      sliding_window=sliding_window, attention_mask=attention_mask)
+    if layout is not None:
+        if layout_block is None:
+            layout_block = (q_block, kv_block)
+        if isinstance(layout_block, (int, np.integer)):
+            layout_block = (layout_block, layout_block)
+        _check_block("layout_block", layout_block[0])
+        _check_block("layout_block", layout_block[1])
+        layout = _check_layout(layout, q_len, kv_len, tuple(layout_block), None)
+    elif layout_block is not None:
+        raise ValueError("layout_block is given but layout is not")
+    return _build(rule, layout, layout_block, combine, int(q_len), int(kv_len), int(q_block), int(kv_block))
+
+
+def _combine(a: BlockMask, b: BlockMask, op: str) -> BlockMask:
+    if not isinstance(a, BlockMask) or not isinstance(b, BlockMask):
+        raise ValueError("masks combine with other BlockMasks only")
+    if (a.q_len, a.kv_len) != (b.q_len, b.kv_len):
+        raise ValueError(f"masks cover different lengths: {(a.q_len, a.kv_len)} and {(b.q_len, b.kv_len)}")
+    bq, bk = min(a.q_block, b.q_block), min(a.kv_block, b.kv_block)
+    T, S = a.q_len, a.kv_len
+    if a.rule is None and b.rule is not None:
+        a, b = b, a
+    if b.rule is None and b.layout is not None and (a.layout is None or a.rule is None or a.combine == op):
+        # (R op1 La) op Lb with op1 == op, or R op Lb: one rule, one layout at the finer grain.
+        if a.layout is None:
+            layout, grain = b.layout, b.layout_block
+        else:
+            grain = (min(a.layout_block[0], b.layout_block[0]), min(a.layout_block[1], b.layout_block[1]))
+            la = _layout_kinds(a.layout, a.layout_block, T, S, *grain)[0] == FULL
+            lb = _layout_kinds(b.layout, b.layout_block, T, S, *grain)[0] == FULL
+            layout = la & lb if op == "and" else la | lb
+        if a.rule is None and op == "or" and a.layout is None:  # a is "everything visible"
+            layout = jnp.ones_like(layout)
+        bq, bk = min(bq, grain[0]), min(bk, grain[1])
+        return _build(a.rule, layout, grain, op, T, S, bq, bk)
+    # Anything else (two rules, mixed combinations): the exact answer through the dense token mask.
+    ta, tb = a.token_mask(), b.token_mask()
+    dense = ta & tb if op == "and" else ta | tb
+    rule = TokenRule(attention_mask=dense)
+    return _build(rule, None, None, "and", T, S, bq, bk)
+
+
+def intersection(a: BlockMask, b: BlockMask) -> BlockMask:
+    """Pairs visible in both masks. Cheap when one side is a layout; otherwise through the dense mask."""
+    return _combine(a, b, "and")
+
+
+def union(a: BlockMask, b: BlockMask) -> BlockMask:
+    """Pairs visible in either mask. Cheap when one side is a layout; otherwise through the dense mask."""
+    return _combine(a, b, "or")
