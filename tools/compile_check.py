@@ -1,0 +1,191 @@
+"""Compile every kernel a chapter launches for real GPUs, on a machine without one.
+
+Triton's interpreter (what the book runs on a CPU) does not type-check kernels the way the
+compiler does: a loop-carried float32 variable that turns float64, for instance, runs fine there
+and stops the compile on a GPU. This script closes that gap without a GPU:
+
+1. it executes the notebook (through nbclient, as nbmake does) with a recorder in front of
+   ``ejk_lite``'s interpreter path, which notes each launch: kernel, argument types *as
+   jax-triton would pass them* (a Python ``float`` becomes ``fp64``, an ``int`` ``i32``, an
+   ``int`` equal to 1 a constant, arrays pointers to their dtype) and compile-time constants;
+2. it re-defines the notebook's ``@triton.jit`` functions in this process, where Triton is in
+   compiled mode, and compiles each recorded launch to a cubin for the given architectures
+   (Triton ships its own ptxas; no driver is needed).
+
+    python tools/compile_check.py book/recurrence.ipynb [more.ipynb ...] [--arch 80 90]
+
+Kernels that a chapter launches from the ``ejk_lite`` package are skipped (the unit tests run
+those on the GPU). Exit status 1 if any launch fails to compile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+RECORDER = r'''
+import json as _json, os as _os
+import numpy as _np
+import ejk_lite.launch as _launch
+
+_RECORDS = []
+_interpret = _launch._interpret
+
+
+def _arg_type(a):
+    if isinstance(a, bool):
+        return ["i1", None]
+    if isinstance(a, int):
+        return ["i32" if -2**31 <= a < 2**31 else "i64", a]
+    if isinstance(a, float):
+        return ["fp64", None]                       # jax-triton: a Python float is fp64
+    return ["*" + str(_np.dtype(a.dtype)), None]
+
+
+def _recording_interpret(args, kernel, out_leaves, grid, metaparams):
+    fn, meta = _launch._first_config(kernel, metaparams)
+    raw = fn
+    while hasattr(raw, "fn"):
+        raw = raw.fn
+    jsonable = {k: v for k, v in meta.items() if isinstance(v, (bool, int, float, str))}
+    _RECORDS.append(dict(name=raw.__name__, module=raw.__module__,
+                         args=[_arg_type(a) for a in args],
+                         outs=["*" + str(_np.dtype(s.dtype)) for s in out_leaves],
+                         meta=jsonable, skipped_meta=sorted(set(meta) - set(jsonable))))
+    return _interpret(args, kernel, out_leaves, grid, metaparams)
+
+
+_launch._interpret = _recording_interpret
+'''
+
+DUMP = r'''
+with open(_os.environ["EJK_COMPILE_RECORD"], "w") as _f:
+    _json.dump(_RECORDS, _f)
+'''
+
+TRITON_TYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float64": "fp64",
+                "int8": "i8", "int16": "i16", "int32": "i32", "int64": "i64", "uint8": "u8",
+                "uint16": "u16", "uint32": "u32", "uint64": "u64", "bool": "i1"}
+
+
+def record_launches(notebook: Path, timeout: int) -> list[dict]:
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(str(notebook), as_version=4)
+    nb.cells.insert(0, nbformat.v4.new_code_cell(RECORDER))
+    nb.cells.append(nbformat.v4.new_code_cell(DUMP))
+    with tempfile.TemporaryDirectory() as tmp:
+        record = Path(tmp) / "launches.json"
+        os.environ["EJK_COMPILE_RECORD"] = str(record)
+        NotebookClient(nb, timeout=timeout, kernel_name="python3",
+                       resources={"metadata": {"path": str(notebook.parent)}}).execute()
+        return json.loads(record.read_text())
+
+
+def notebook_kernels(notebook: Path, folder: Path) -> dict:
+    """The notebook's top-level @triton.jit / @triton.autotune functions, defined afresh here.
+
+    Triton reads a kernel's source with ``inspect``, so they are written to a module file first.
+    """
+    import importlib.util
+
+    import nbformat
+
+    pieces = ["import triton", "import triton.language as tl"]
+    nb = nbformat.read(str(notebook), as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        try:
+            tree = ast.parse(cell.source)
+        except SyntaxError:
+            continue
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and any(
+                    "triton" in ast.unparse(d) for d in node.decorator_list):
+                pieces.append(ast.get_source_segment(cell.source, node, padded=True)
+                              if not node.decorator_list else
+                              "\n".join(cell.source.splitlines()[node.decorator_list[0].lineno - 1:
+                                                                 node.end_lineno]))
+    path = folder / f"{notebook.stem}_kernels.py"
+    path.write_text("\n\n\n".join(pieces) + "\n")
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return vars(module)
+
+
+def compile_launch(fn, launch: dict, arch: int) -> None:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    jit_fn = fn.fn if isinstance(fn, triton.runtime.Autotuner) else fn
+    names = list(jit_fn.arg_names)
+    types = launch["args"] + [[t, None] for t in launch["outs"]]
+    signature, constexprs = {}, {}
+    for name, (t, value) in zip(names, types):
+        if t.startswith("*"):
+            t = "*" + TRITON_TYPES[t[1:]]
+        if value == 1 and t in ("i32", "i64"):         # jax-triton makes an int 1 a constant
+            signature[name], constexprs[name] = "constexpr", 1
+        else:
+            signature[name] = t
+    for name in names[len(types):]:
+        signature[name] = "constexpr"
+        if name in launch["meta"]:
+            constexprs[name] = launch["meta"][name]
+    triton.compile(ASTSource(fn=jit_fn, signature=signature, constexprs=constexprs),
+                   target=GPUTarget("cuda", arch, 32))
+
+
+def check(notebook: Path, archs: list[int], timeout: int) -> int:
+    launches = record_launches(notebook, timeout)
+    folder = Path(tempfile.mkdtemp(prefix="compile_check_"))
+    kernels = notebook_kernels(notebook, folder)
+    seen, failures, compiled, skipped = set(), 0, 0, set()
+    for launch in launches:
+        key = json.dumps([launch["name"], launch["args"], launch["outs"], launch["meta"]],
+                         sort_keys=True)
+        if key in seen:
+            continue
+        seen.add(key)
+        if launch["module"] != "__main__" or launch["name"] not in kernels:
+            skipped.add(f"{launch['module']}.{launch['name']}")
+            continue
+        for arch in archs:
+            try:
+                compile_launch(kernels[launch["name"]], launch, arch)
+                compiled += 1
+            except Exception as error:  # noqa: BLE001 (report every failure, then go on)
+                failures += 1
+                lines = [ln for ln in str(error).splitlines() if ln.strip()] or [repr(error)]
+                message = lines[-1][-300:]
+                args = ", ".join(t for t, _ in launch["args"])
+                print(f"FAIL sm_{arch} {launch['name']}({args}): {message}")
+    print(f"{notebook}: {len(seen)} distinct launches, {compiled} compiles ok, {failures} failed; "
+          f"skipped (package kernels): {', '.join(sorted(skipped)) or 'none'}")
+    return failures
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("notebooks", nargs="+", type=Path)
+    parser.add_argument("--arch", nargs="+", type=int, default=[80, 90],
+                        help="compute capabilities to compile for (default: 80 90)")
+    parser.add_argument("--timeout", type=int, default=900, help="seconds per cell")
+    args = parser.parse_args()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("unset TRITON_INTERPRET: this process must compile (the notebook runs elsewhere)")
+    failures = sum(check(nb.resolve(), args.arch, args.timeout) for nb in args.notebooks)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
