@@ -6,7 +6,7 @@ notebook (as nbmake does) with a hook on the inline backend's PNG output that me
 figure shown, the PNG's width (tight bounding box, as the inline backend saves it) and the height
 on the page of every piece of text in it: ``fontsize * dpi / 72 * min(1, column / png_width)``.
 
-    python tools/check_figures.py book/chunked_cumsum.ipynb [more ...] [--column 750] [--min-px 12]
+    python tools/check_figures.py book/x.ipynb [more ...] [--column 750] [--min-px 12] [--save DIR]
 
 Prints one line per figure (cell, size, smallest text) and each text below the limit; exit 1 if
 any text is.
@@ -76,7 +76,8 @@ with open(_os.environ["CHECK_FIGURES_OUT"], "w") as _f:
 '''
 
 
-def run(notebook: Path, column: float, min_px: float, timeout: int) -> list[dict]:
+def run(notebook: Path, column: float, min_px: float, timeout: int,
+        save: Path | None = None) -> list[dict]:
     import nbformat
     from nbclient import NotebookClient
 
@@ -93,6 +94,18 @@ def run(notebook: Path, column: float, min_px: float, timeout: int) -> list[dict
                           CHECK_FIGURES_MIN_PX=str(min_px))
         NotebookClient(nb, timeout=timeout, kernel_name="python3",
                        resources={"metadata": {"path": str(notebook.parent)}}).execute()
+        if save:  # the PNGs as the page shows them, to look at
+            import base64
+
+            save.mkdir(parents=True, exist_ok=True)
+            cell = None
+            for c in nb.cells:
+                if c.cell_type == "code" and c.source.startswith("_CELL[0] = "):
+                    cell = c.source.split("= ")[1]
+                for k, output in enumerate(c.get("outputs", [])):
+                    if "image/png" in output.get("data", {}):
+                        name = save / f"{notebook.stem}_cell{cell}_{k}.png"
+                        name.write_bytes(base64.b64decode(output["data"]["image/png"]))
         return json.loads(out.read_text())
 
 
@@ -102,10 +115,11 @@ def main() -> int:
     parser.add_argument("--column", type=float, default=750, help="page column width, px")
     parser.add_argument("--min-px", type=float, default=12, help="smallest text allowed, px")
     parser.add_argument("--timeout", type=int, default=900)
+    parser.add_argument("--save", type=Path, default=None, help="write each figure's PNG here")
     args = parser.parse_args()
     bad = 0
     for notebook in args.notebooks:
-        for fig in run(notebook.resolve(), args.column, args.min_px, args.timeout):
+        for fig in run(notebook.resolve(), args.column, args.min_px, args.timeout, args.save):
             smallest = fig["smallest"][0] if fig["smallest"] else ("-", "")
             print(f"{notebook.name} cell {fig['cell']}: {fig['width_in']}x{fig['height_in']} in, "
                   f"{fig['png_px']} px wide, shown at {fig['scale']:.2f}; smallest text "
