@@ -65,7 +65,11 @@ class BlockSizes:
     num_stages: int = 2
 
     @staticmethod
-    def forward(head_dim: int) -> BlockSizes:
+    def forward(head_dim: int, dtype: Any = jnp.bfloat16) -> BlockSizes:
+        """Defaults measured on an H100 (bench/attention.py); float32 tiles are twice the bytes, so
+        smaller (at 128 x 64 with three stages they overflow shared memory)."""
+        if jnp.dtype(dtype).itemsize >= 4:
+            return BlockSizes(64, 64, num_warps=4, num_stages=2) if head_dim <= 128 else BlockSizes(32, 32, 4, 1)
         if head_dim <= 64:
             return BlockSizes(128, 64, num_warps=4, num_stages=3)
         if head_dim <= 128:
@@ -73,7 +77,9 @@ class BlockSizes:
         return BlockSizes(64, 64, num_warps=4, num_stages=2)
 
     @staticmethod
-    def backward(head_dim: int) -> BlockSizes:
+    def backward(head_dim: int, dtype: Any = jnp.bfloat16) -> BlockSizes:
+        if jnp.dtype(dtype).itemsize >= 4:
+            return BlockSizes(64, 64, num_warps=4, num_stages=1) if head_dim <= 128 else BlockSizes(32, 32, 4, 1)
         if head_dim <= 64:
             return BlockSizes(64, 64, num_warps=4, num_stages=2)
         if head_dim <= 128:
@@ -107,14 +113,14 @@ def _tanh(x):
 
 
 @triton.jit
-def _logits(q, k, offs_m, offs_n, bias_base, stride_bt, stride_bs, scale, soft_cap, T, S,
+def _logits(q, k, offs_m, offs_n, bias_base, stride_bt, stride_bs, SCALE: tl.constexpr, SOFT_CAP: tl.constexpr, T, S,
             USE_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """``s = scale q k^T``, soft-capped, plus bias; also returns tanh (for the soft cap's derivative)."""
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+    """``s = SCALE q k^T``, soft-capped, plus bias; also returns tanh (for the soft cap's derivative)."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * SCALE
     t = s
     if USE_SOFTCAP:
-        t = _tanh(s / soft_cap)
-        s = soft_cap * t
+        t = _tanh(s / SOFT_CAP)
+        s = SOFT_CAP * t
     if HAS_BIAS:
         bias_ptrs = (bias_base + offs_m.to(tl.int64)[:, None] * stride_bt
                      + offs_n.to(tl.int64)[None, :] * stride_bs)
@@ -151,7 +157,7 @@ def _visible(offs_m, offs_n, q_seg, q_pos, kv_seg_base, kv_pos_base, mask_base, 
 @triton.jit
 def _fwd_tiles(acc, m_i, l_i, q, offs_m, q_seg, q_pos, list_ptr, count,
                k_base, v_base, kv_seg_base, kv_pos_base, mask_base, bias_base, stride_bt, stride_bs,
-               scale, soft_cap, window_left, window_right, T, S,
+               SCALE: tl.constexpr, SOFT_CAP: tl.constexpr, window_left, window_right, T, S,
                D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BK: tl.constexpr,
                MASKED: tl.constexpr, HAS_SEGMENTS: tl.constexpr, IS_CAUSAL: tl.constexpr,
                HAS_WINDOW: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -167,7 +173,7 @@ def _fwd_tiles(acc, m_i, l_i, q, offs_m, q_seg, q_pos, list_ptr, count,
                     mask=in_kv[:, None] & (offs_d < D)[None, :], other=0.0)
         v = tl.load(v_base + offs_n[:, None] * DV + offs_dv[None, :],
                     mask=in_kv[:, None] & (offs_dv < DV)[None, :], other=0.0)
-        s, _ = _logits(q, k, offs_m, offs_n, bias_base, stride_bt, stride_bs, scale, soft_cap, T, S,
+        s, _ = _logits(q, k, offs_m, offs_n, bias_base, stride_bt, stride_bs, SCALE, SOFT_CAP, T, S,
                        USE_SOFTCAP, HAS_BIAS, DOT_PRECISION)
         visible = _visible(offs_m, offs_n, q_seg, q_pos, kv_seg_base, kv_pos_base, mask_base,
                            window_left, window_right, T, S, MASKED, HAS_SEGMENTS, IS_CAUSAL,
@@ -189,13 +195,13 @@ def _attention_fwd_kernel(
     q_ptr, k_ptr, v_ptr, q_seg_ptr, kv_seg_ptr, q_pos_ptr, kv_pos_ptr, token_mask_ptr, bias_ptr, sink_ptr,
     partial_count_ptr, partial_index_ptr, full_count_ptr, full_index_ptr,
     # scalars
-    scale, soft_cap, window_left, window_right, T, S, n_q_blocks, n_kv_blocks,
+    window_left, window_right, T, S, n_q_blocks, n_kv_blocks,
     stride_ids_b, stride_mask_b, stride_mask_h, stride_bb, stride_bh, stride_bt, stride_bs,
     stride_bm_b, stride_bm_h,
     # outputs
     o_ptr, lse_ptr,
     # shapes and features
-    H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr,
+    SCALE: tl.constexpr, SOFT_CAP: tl.constexpr, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr,
     BDV: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,
     HAS_SEGMENTS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_TOKEN_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, USE_SOFTCAP: tl.constexpr,
@@ -240,12 +246,12 @@ def _attention_fwd_kernel(
     acc, m_i, l_i = _fwd_tiles(
         acc, m_i, l_i, q, offs_m, q_seg, q_pos, partial_index_ptr + row.to(tl.int64) * n_kv_blocks, n_partial,
         k_base, v_base, kv_seg_base, kv_pos_base, mask_base, bias_base, stride_bt, stride_bs,
-        scale, soft_cap, window_left, window_right, T, S, D, DV, BD, BDV, BK,
+        SCALE, SOFT_CAP, window_left, window_right, T, S, D, DV, BD, BDV, BK,
         True, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, HAS_BIAS, USE_SOFTCAP, DOT_PRECISION)
     acc, m_i, l_i = _fwd_tiles(
         acc, m_i, l_i, q, offs_m, q_seg, q_pos, full_index_ptr + row.to(tl.int64) * n_kv_blocks, n_full,
         k_base, v_base, kv_seg_base, kv_pos_base, mask_base, bias_base, stride_bt, stride_bs,
-        scale, soft_cap, window_left, window_right, T, S, D, DV, BD, BDV, BK,
+        SCALE, SOFT_CAP, window_left, window_right, T, S, D, DV, BD, BDV, BK,
         False, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, HAS_BIAS, USE_SOFTCAP, DOT_PRECISION)
 
     # A row that saw no key (and has no sink) has l = 0: its output is 0 and its lse +inf, so that
@@ -260,12 +266,12 @@ def _attention_fwd_kernel(
 
 @triton.jit
 def _bwd_tile(q, k, v, do, lse, delta, offs_m, offs_n, q_seg, q_pos, kv_seg_base, kv_pos_base, mask_base,
-              bias_base, stride_bt, stride_bs, scale, soft_cap, window_left, window_right, T, S,
+              bias_base, stride_bt, stride_bs, SCALE: tl.constexpr, SOFT_CAP: tl.constexpr, window_left, window_right, T, S,
               MASKED: tl.constexpr, HAS_SEGMENTS: tl.constexpr, IS_CAUSAL: tl.constexpr,
               HAS_WINDOW: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
               USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One tile of the backward: ``p``, ``ds`` = dL/d(final logit) and the same before the soft cap."""
-    s, t = _logits(q, k, offs_m, offs_n, bias_base, stride_bt, stride_bs, scale, soft_cap, T, S,
+    s, t = _logits(q, k, offs_m, offs_n, bias_base, stride_bt, stride_bs, SCALE, SOFT_CAP, T, S,
                    USE_SOFTCAP, HAS_BIAS, DOT_PRECISION)
     visible = _visible(offs_m, offs_n, q_seg, q_pos, kv_seg_base, kv_pos_base, mask_base,
                        window_left, window_right, T, S, MASKED, HAS_SEGMENTS, IS_CAUSAL,
@@ -302,7 +308,7 @@ def _bwd_q_side(q_ptr, do_ptr, lse_ptr, delta_ptr, q_seg_ptr, q_pos_ptr, i_bh64,
 @triton.jit
 def _dkv_tiles(dk, dv, k, v, offs_n, list_ptr, count, i_bh64, i_b, mask_base, bias_base,
                q_ptr, do_ptr, lse_ptr, delta_ptr, q_seg_ptr, q_pos_ptr, kv_seg_base, kv_pos_base,
-               stride_ids_b, stride_bt, stride_bs, scale, soft_cap, window_left, window_right, T, S,
+               stride_ids_b, stride_bt, stride_bs, SCALE: tl.constexpr, SOFT_CAP: tl.constexpr, window_left, window_right, T, S,
                D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BQ: tl.constexpr,
                MASKED: tl.constexpr, HAS_SEGMENTS: tl.constexpr, IS_CAUSAL: tl.constexpr,
                HAS_WINDOW: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -315,7 +321,7 @@ def _dkv_tiles(dk, dv, k, v, offs_n, list_ptr, count, i_bh64, i_b, mask_base, bi
             q_ptr, do_ptr, lse_ptr, delta_ptr, q_seg_ptr, q_pos_ptr, i_bh64, i_b, stride_ids_b, offs_m, T,
             D, DV, BD, BDV, HAS_SEGMENTS, IS_CAUSAL or HAS_WINDOW)
         p, _, ds = _bwd_tile(q, k, v, do, lse, delta, offs_m, offs_n, q_seg, q_pos, kv_seg_base,
-                             kv_pos_base, mask_base, bias_base, stride_bt, stride_bs, scale, soft_cap,
+                             kv_pos_base, mask_base, bias_base, stride_bt, stride_bs, SCALE, SOFT_CAP,
                              window_left, window_right, T, S, MASKED, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW,
                              HAS_TOKEN_MASK, HAS_BIAS, USE_SOFTCAP, DOT_PRECISION)
         dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PRECISION)
@@ -329,13 +335,13 @@ def _attention_dkv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, q_seg_ptr, kv_seg_ptr, q_pos_ptr, kv_pos_ptr,
     token_mask_ptr, bias_ptr, t_partial_count_ptr, t_partial_index_ptr, t_full_count_ptr, t_full_index_ptr,
     # scalars
-    scale, soft_cap, window_left, window_right, T, S, n_q_blocks, n_kv_blocks,
+    window_left, window_right, T, S, n_q_blocks, n_kv_blocks,
     stride_ids_b, stride_mask_b, stride_mask_h, stride_bb, stride_bh, stride_bt, stride_bs,
     stride_bm_b, stride_bm_h,
     # outputs
     dk_ptr, dv_ptr,
     # shapes and features
-    H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr,
+    SCALE: tl.constexpr, SOFT_CAP: tl.constexpr, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr,
     BDV: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,
     HAS_SEGMENTS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_TOKEN_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, USE_SOFTCAP: tl.constexpr,
@@ -369,17 +375,17 @@ def _attention_dkv_kernel(
         dk, dv = _dkv_tiles(
             dk, dv, k, v, offs_n, t_partial_index_ptr + col.to(tl.int64) * n_q_blocks, n_partial, i_bh64, i_b,
             mask_base, bias_base, q_ptr, do_ptr, lse_ptr, delta_ptr, q_seg_ptr, q_pos_ptr, kv_seg_base,
-            kv_pos_base, stride_ids_b, stride_bt, stride_bs, scale, soft_cap, window_left, window_right, T, S,
+            kv_pos_base, stride_ids_b, stride_bt, stride_bs, SCALE, SOFT_CAP, window_left, window_right, T, S,
             D, DV, BD, BDV, BQ, True, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, HAS_BIAS,
             USE_SOFTCAP, DOT_PRECISION)
         dk, dv = _dkv_tiles(
             dk, dv, k, v, offs_n, t_full_index_ptr + col.to(tl.int64) * n_q_blocks, n_full, i_bh64, i_b,
             mask_base, bias_base, q_ptr, do_ptr, lse_ptr, delta_ptr, q_seg_ptr, q_pos_ptr, kv_seg_base,
-            kv_pos_base, stride_ids_b, stride_bt, stride_bs, scale, soft_cap, window_left, window_right, T, S,
+            kv_pos_base, stride_ids_b, stride_bt, stride_bs, SCALE, SOFT_CAP, window_left, window_right, T, S,
             D, DV, BD, BDV, BQ, False, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, HAS_BIAS,
             USE_SOFTCAP, DOT_PRECISION)
     kv_rows = in_kv[:, None]
-    tl.store(dk_ptr + i_bkv64 * S * D + offs_n[:, None] * D + offs_d[None, :], (dk * scale).to(dk_ptr.dtype.element_ty),
+    tl.store(dk_ptr + i_bkv64 * S * D + offs_n[:, None] * D + offs_d[None, :], (dk * SCALE).to(dk_ptr.dtype.element_ty),
              mask=kv_rows & (offs_d < D)[None, :])
     tl.store(dv_ptr + i_bkv64 * S * DV + offs_n[:, None] * DV + offs_dv[None, :], dv.to(dv_ptr.dtype.element_ty),
              mask=kv_rows & (offs_dv < DV)[None, :])
@@ -387,7 +393,7 @@ def _attention_dkv_kernel(
 
 @triton.jit
 def _dq_tiles(dq, q, do, lse, delta, offs_m, q_seg, q_pos, list_ptr, count, k_base, v_base, kv_seg_base,
-              kv_pos_base, mask_base, bias_base, dbias_base, stride_bt, stride_bs, scale, soft_cap,
+              kv_pos_base, mask_base, bias_base, dbias_base, stride_bt, stride_bs, SCALE: tl.constexpr, SOFT_CAP: tl.constexpr,
               window_left, window_right, T, S,
               D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BK: tl.constexpr,
               MASKED: tl.constexpr, HAS_SEGMENTS: tl.constexpr, IS_CAUSAL: tl.constexpr,
@@ -405,7 +411,7 @@ def _dq_tiles(dq, q, do, lse, delta, offs_m, q_seg, q_pos, list_ptr, count, k_ba
         v = tl.load(v_base + offs_n[:, None] * DV + offs_dv[None, :],
                     mask=in_kv[:, None] & (offs_dv < DV)[None, :], other=0.0)
         _, ds, d_raw = _bwd_tile(q, k, v, do, lse, delta, offs_m, offs_n, q_seg, q_pos, kv_seg_base,
-                                 kv_pos_base, mask_base, bias_base, stride_bt, stride_bs, scale, soft_cap,
+                                 kv_pos_base, mask_base, bias_base, stride_bt, stride_bs, SCALE, SOFT_CAP,
                                  window_left, window_right, T, S, MASKED, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW,
                                  HAS_TOKEN_MASK, HAS_BIAS, USE_SOFTCAP, DOT_PRECISION)
         if HAS_BIAS:  # dbias is ds itself; [B, H, T, S] fp32, tiles never visited are zeroed outside
@@ -421,13 +427,13 @@ def _attention_dq_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, q_seg_ptr, kv_seg_ptr, q_pos_ptr, kv_pos_ptr,
     token_mask_ptr, bias_ptr, partial_count_ptr, partial_index_ptr, full_count_ptr, full_index_ptr,
     # scalars
-    scale, soft_cap, window_left, window_right, T, S, n_q_blocks, n_kv_blocks,
+    window_left, window_right, T, S, n_q_blocks, n_kv_blocks,
     stride_ids_b, stride_mask_b, stride_mask_h, stride_bb, stride_bh, stride_bt, stride_bs,
     stride_bm_b, stride_bm_h,
     # outputs
     dq_ptr, dbias_ptr,
     # shapes and features
-    H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr,
+    SCALE: tl.constexpr, SOFT_CAP: tl.constexpr, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr,
     BDV: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,
     HAS_SEGMENTS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_TOKEN_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, USE_SOFTCAP: tl.constexpr,
@@ -456,15 +462,15 @@ def _attention_dq_kernel(
     n_full = tl.load(full_count_ptr + row)
     dq = _dq_tiles(dq, q, do, lse, delta, offs_m, q_seg, q_pos, partial_index_ptr + row.to(tl.int64) * n_kv_blocks,
                    n_partial, k_base, v_base, kv_seg_base, kv_pos_base, mask_base, bias_base, dbias_base,
-                   stride_bt, stride_bs, scale, soft_cap, window_left, window_right, T, S, D, DV, BD, BDV, BK,
+                   stride_bt, stride_bs, SCALE, SOFT_CAP, window_left, window_right, T, S, D, DV, BD, BDV, BK,
                    True, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, HAS_BIAS, USE_SOFTCAP,
                    DOT_PRECISION)
     dq = _dq_tiles(dq, q, do, lse, delta, offs_m, q_seg, q_pos, full_index_ptr + row.to(tl.int64) * n_kv_blocks,
                    n_full, k_base, v_base, kv_seg_base, kv_pos_base, mask_base, bias_base, dbias_base,
-                   stride_bt, stride_bs, scale, soft_cap, window_left, window_right, T, S, D, DV, BD, BDV, BK,
+                   stride_bt, stride_bs, SCALE, SOFT_CAP, window_left, window_right, T, S, D, DV, BD, BDV, BK,
                    False, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, HAS_BIAS, USE_SOFTCAP,
                    DOT_PRECISION)
-    tl.store(dq_ptr + i_bh64 * T * D + offs_m[:, None] * D + offs_d[None, :], (dq * scale).to(dq_ptr.dtype.element_ty),
+    tl.store(dq_ptr + i_bh64 * T * D + offs_m[:, None] * D + offs_d[None, :], (dq * SCALE).to(dq_ptr.dtype.element_ty),
              mask=(offs_m < T)[:, None] & (offs_d < D)[None, :])
 
 
@@ -527,11 +533,11 @@ def _common(static: _Static, q, k, v, bias, rule, mask: BlockMask, blocks: Block
     bias_arg, bias_strides = _bias_operands(bias, B, H, T, S)
     soft_cap = 1.0 if static.soft_cap is None else float(static.soft_cap)
     left, right = static.window if static.window is not None else (0, 0)
-    scalars = [float(static.scale), soft_cap, min(left, _BIG_WINDOW), min(right, _BIG_WINDOW), T, S,
+    scalars = [min(left, _BIG_WINDOW), min(right, _BIG_WINDOW), T, S,
                mask.kinds.shape[2], mask.kinds.shape[3], ids_stride, *mask_strides, *bias_strides,
                *_mask_strides(mask)]
     meta = dict(
-        H=H, G=H // H_kv, D=D, DV=DV, BD=_pow2(D), BDV=_pow2(DV), BQ=blocks.block_q, BK=blocks.block_kv,
+        SCALE=float(static.scale), SOFT_CAP=soft_cap, H=H, G=H // H_kv, D=D, DV=DV, BD=_pow2(D), BDV=_pow2(DV), BQ=blocks.block_q, BK=blocks.block_kv,
         HAS_SEGMENTS=static.has_segments, IS_CAUSAL=static.causal, HAS_WINDOW=static.window is not None,
         HAS_TOKEN_MASK=static.has_token_mask, HAS_BIAS=bias is not None,
         USE_SOFTCAP=static.soft_cap is not None,
@@ -869,8 +875,9 @@ def blocksparse_attention(
         if blocks is not None and not isinstance(blocks, BlockSizes):
             raise ValueError(f"{name} must be a BlockSizes, got {type(blocks).__name__}")
     D = query.shape[-1] if hasattr(query, "shape") and len(query.shape) == 4 else 0
-    fwd = fwd_blocks or BlockSizes.forward(D)
-    bwd = bwd_blocks or BlockSizes.backward(D)
+    dtype = getattr(query, "dtype", jnp.float32)
+    fwd = fwd_blocks or BlockSizes.forward(D, dtype)
+    bwd = bwd_blocks or BlockSizes.backward(D, dtype)
     default_block = (128, 128)
     spec, scale, bias, cap = _prepare(query, key, value, q_segment_ids, kv_segment_ids, q_positions,
                                       kv_positions, softmax_aux, bias, attention_mask, logits_soft_cap,

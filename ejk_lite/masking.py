@@ -35,6 +35,7 @@ Positions are ``int32`` and must lie in ``(-2**30, 2**30)``; windows are clipped
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -261,6 +262,53 @@ def _rule_kinds(rule: TokenRule, T: int, S: int, bq: int, bk: int) -> Array:
     ks, kp = jnp.broadcast_to(ks, (B, S)), jnp.broadcast_to(kp, (B, S))
     lo, hi = rule.key_interval(qp)
 
+    # Keys in (segment, position) order along the sequence -- packed documents with increasing
+    # positions, the usual case -- make each query's visible keys one contiguous index range: then
+    # counting visible pairs per tile is arithmetic. Any other order takes the general path.
+    key_order = (ks[:, 1:] > ks[:, :-1]) | ((ks[:, 1:] == ks[:, :-1]) & (kp[:, 1:] >= kp[:, :-1]))
+    operands = (qs, lo, hi, ks, kp)
+    kinds = jax.lax.cond(jnp.all(key_order), functools.partial(_kinds_sorted_keys, T, S, bq, bk),
+                         functools.partial(_kinds_any_order, T, S, bq, bk), *operands)
+    return kinds[:, None]
+
+
+def _rank(keys_seg, keys_pos, seg, pos, inclusive: bool) -> Array:
+    """How many of the sorted keys ``[B, S]`` come before ``(seg, pos)`` ``[B, T]`` (``<=`` if
+    ``inclusive``): a binary search, one batched gather per step."""
+    S = keys_seg.shape[1]
+    lo = jnp.zeros(seg.shape, jnp.int32)
+    hi = jnp.full(seg.shape, S, jnp.int32)
+    for _ in range(max(S, 1).bit_length()):
+        mid = (lo + hi) // 2
+        at = jnp.minimum(mid, S - 1)
+        s = jnp.take_along_axis(keys_seg, at, axis=1)
+        p = jnp.take_along_axis(keys_pos, at, axis=1)
+        before = (s < seg) | ((s == seg) & ((p <= pos) if inclusive else (p < pos)))
+        active = lo < hi
+        lo = jnp.where(active & before, mid + 1, lo)
+        hi = jnp.where(active & ~before, mid, hi)
+    return lo
+
+
+def _kinds_sorted_keys(T, S, bq, bk, qs, lo, hi, ks, kp) -> Array:
+    """Keys sorted along S: query i sees exactly the keys ``first_i <= k < end_i``, so a tile's visible
+    pairs are ``sum_i |[first_i, end_i) & [kv block]|``; listed iff > 0, full iff all its pairs."""
+    first = _rank(ks, kp, qs, lo, inclusive=False)
+    end = _rank(ks, kp, qs, hi, inclusive=True)
+    first = _blocks(first, T, bq, 0)[..., None]  # [B, nQ, bq, 1]; padding rows see nothing
+    end = _blocks(end, T, bq, 0)[..., None]
+    starts = jnp.arange(0, S, bk, dtype=jnp.int32)  # [nK]
+    stops = jnp.minimum(starts + bk, S)
+    overlap = jnp.maximum(jnp.minimum(end, stops) - jnp.maximum(first, starts), 0)
+    pairs = jnp.sum(overlap, axis=2)  # [B, nQ, nK] visible pairs per tile
+    q_valid = jnp.minimum(T - jnp.arange(0, T, bq), bq)
+    all_pairs = q_valid[:, None] * (stops - starts)[None, :]
+    return jnp.where(pairs == all_pairs, FULL, jnp.where(pairs > 0, PARTIAL, EMPTY)).astype(jnp.int8)
+
+
+def _kinds_any_order(T, S, bq, bk, qs, lo, hi, ks, kp) -> Array:
+    """Any key order: summaries per block decide *full*; a binary search per query token over each
+    key block's keys, sorted by (segment, position), decides *any*."""
     # Full: every (valid) query of the block sees every (valid) key of the block. With one segment on
     # both sides, that is: the largest lower bound <= the smallest key position, and the largest key
     # position <= the smallest upper bound.
@@ -273,11 +321,11 @@ def _rule_kinds(rule: TokenRule, T: int, S: int, bq: int, bk: int) -> Array:
     k_pos_lo, k_pos_hi = summary(kp, S, bk, jnp.min, _I32_MAX), summary(kp, S, bk, jnp.max, _I32_MIN)
     one_segment = ((q_seg_lo == q_seg_hi)[:, :, None] & (k_seg_lo == k_seg_hi)[:, None, :]
                    & (q_seg_lo[:, :, None] == k_seg_lo[:, None, :]))
-    full = one_segment & (lo_max[:, :, None] <= k_pos_lo[:, None, :]) & (k_pos_hi[:, None, :] <= hi_min[:, :, None])
+    full = (one_segment & (lo_max[:, :, None] <= k_pos_lo[:, None, :])
+            & (k_pos_hi[:, None, :] <= hi_min[:, :, None]))
 
     # Any: for each query token, count the keys of each key block inside [(seg, lo), (seg, hi)],
     # with the keys sorted by (segment, position) and the padding past S sorted last.
-    n_kb = -(-S // bk)
     valid_k = _blocks(jnp.ones((1, S), bool), S, bk, False)  # [1, nK, bk]
     seg_b = jnp.where(valid_k, _blocks(ks, S, bk, 0), _I32_MAX)
     pos_b = jnp.where(valid_k, _blocks(kp, S, bk, 0), _I32_MAX)
@@ -289,9 +337,7 @@ def _rule_kinds(rule: TokenRule, T: int, S: int, bq: int, bk: int) -> Array:
     last = _count_before(seg_sorted, pos_sorted, n_valid, qs[:, :, None], hi[:, :, None], inclusive=True)
     sees = (last > first).swapaxes(1, 2)  # [B, nK, T]: query token sees something in the key block
     any_visible = jnp.any(_blocks(sees, T, bq, False), axis=-1).swapaxes(1, 2)  # [B, nQ, nK]
-    del n_kb
-    kinds = jnp.where(full, FULL, jnp.where(any_visible, PARTIAL, EMPTY)).astype(jnp.int8)
-    return kinds[:, None]
+    return jnp.where(full, FULL, jnp.where(any_visible, PARTIAL, EMPTY)).astype(jnp.int8)
 
 
 def _dense_kinds(visible: Array, T: int, S: int, bq: int, bk: int) -> Array:
