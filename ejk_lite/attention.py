@@ -72,7 +72,7 @@ class BlockSizes:
             return BlockSizes(64, 64, num_warps=4, num_stages=2) if head_dim <= 128 else BlockSizes(32, 32, 4, 1)
         if head_dim <= 64:
             return BlockSizes(128, 64, num_warps=4, num_stages=3)
-        if head_dim <= 128:
+        if head_dim <= 128:  # H100, B4 H16 T8192 causal: 3.26 ms; 4 warps 4.59, 128 x 128 3.47
             return BlockSizes(128, 64, num_warps=8, num_stages=3)
         return BlockSizes(64, 64, num_warps=4, num_stages=2)
 
@@ -82,8 +82,8 @@ class BlockSizes:
             return BlockSizes(64, 64, num_warps=4, num_stages=1) if head_dim <= 128 else BlockSizes(32, 32, 4, 1)
         if head_dim <= 64:
             return BlockSizes(64, 64, num_warps=4, num_stages=2)
-        if head_dim <= 128:
-            return BlockSizes(64, 64, num_warps=8, num_stages=2)
+        if head_dim <= 128:  # H100, B4 H16 T8192 causal: 4 warps 10.9 ms fwd+bwd, 8 warps 19.0 ms
+            return BlockSizes(64, 64, num_warps=4, num_stages=2)
         return BlockSizes(32, 32, num_warps=4, num_stages=1)
 
 
