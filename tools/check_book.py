@@ -1,0 +1,65 @@
+"""Checks on the book's notebooks that the build does not make.
+
+* every line of every code cell is at most 90 characters: the built page's code column shows
+  about that many, and a longer line hides its end (a mask, an ``other=``, a cast) behind a
+  scroll bar;
+* no notebook carries outputs or execution counts: notebooks are committed clean, and the book
+  build and nbmake execute them afresh;
+* every chapter opens with the current setup cell for hosted notebooks (``python
+  tools/sync_setup_cell.py`` inserts or refreshes it).
+
+    python tools/check_book.py [book/x.ipynb ...]     # default: every book/*.ipynb
+
+Exit status 1, with one line per problem, if any check fails.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MAX_LINE = 90
+
+
+def problems(path: Path) -> list[str]:
+    found = []
+    nb = json.loads(path.read_text())
+    for index, cell in enumerate(nb["cells"]):
+        if cell["cell_type"] != "code":
+            continue
+        where = f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path} cell {index}"
+        if cell.get("outputs"):
+            found.append(f"{where}: has outputs (clear them before committing)")
+        if cell.get("execution_count") is not None:
+            found.append(f"{where}: has an execution count (clear outputs before committing)")
+        for number, line in enumerate("".join(cell["source"]).splitlines(), 1):
+            if len(line) > MAX_LINE:
+                found.append(f"{where} line {number}: {len(line)} > {MAX_LINE} characters: "
+                             f"{line.strip()[:60]}...")
+    return found
+
+
+def setup_cell_problems(path: Path) -> list[str]:
+    sys.path.insert(0, str(ROOT / "tools"))
+    from sync_setup_cell import dump, synced
+
+    text = path.read_text()
+    if dump(synced(json.loads(text), path.stem)) != text:
+        return [f"{path.name}: setup cell missing or out of date "
+                f"(run python tools/sync_setup_cell.py {path.name})"]
+    return []
+
+
+def main() -> int:
+    paths = [Path(p).resolve() for p in sys.argv[1:]] or sorted((ROOT / "book").glob("*.ipynb"))
+    found = [p for path in paths for p in problems(path) + setup_cell_problems(path)]
+    for line in found:
+        print(line)
+    print(f"check_book: {len(paths)} notebook(s), {len(found)} problem(s)")
+    return 1 if found else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
