@@ -8,7 +8,9 @@ issue names, and writes ``<out_dir>/<op>.json``. Run one on the GPU machine as::
 Timing: ``triton.testing.do_bench`` (median of many runs, CUDA events, L2 flushed between runs) around
 a few queued calls that end in ``block_until_ready()``. JAX launches on its own stream, so the events
 bracket the whole batch; per-call dispatch that the GPU cannot hide shows in the figures, and
-``dispatch_overhead_ms`` (an empty jitted function) says how much that can be.
+``dispatch_overhead_ms`` (an empty jitted function) says how much that can be. ``time_stats_ms``
+(and ``event_samples_ms`` for torch peers) gives the spread: min / median / max over a fixed number
+of samples.
 """
 
 from __future__ import annotations
@@ -29,10 +31,14 @@ import numpy as np
 import ejk_lite  # before triton: without a GPU it selects the interpreter
 
 
-def parse_args(description: str) -> argparse.Namespace:
+def parse_args(description: str, extra: Callable[[argparse.ArgumentParser], None] | None = None
+               ) -> argparse.Namespace:
+    """``--out`` and ``--quick``, and whatever ``extra(parser)`` adds."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--out", default="bench/results", help="folder for the JSON result")
     parser.add_argument("--quick", action="store_true", help="small shapes, to try the script on CPU")
+    if extra is not None:
+        extra(parser)
     return parser.parse_args()
 
 
@@ -76,6 +82,79 @@ def median_ms(fn: Callable[[], Any], warmup_ms: int = 50, rep_ms: int = 300, cal
 
     run()  # compile outside the measurement
     return float(triton.testing.do_bench(run, warmup=warmup_ms, rep=rep_ms, return_mode="median")) / calls
+
+
+_L2_FLUSH = None
+
+
+def event_samples_ms(run: Callable[[], Any], samples: int = 10, warmup: int = 3,
+                     grad_to_none: list[Any] | None = None) -> list[float]:
+    """``samples`` CUDA-event times of ``run()`` in ms, each after an L2 flush (as ``do_bench``).
+
+    ``run`` must leave its work finished or queued on the current (torch) stream: a JAX function
+    ends in ``block_until_ready()``; a torch function is simply called. The flush is waited for
+    before the start event, so that it never overlaps the timed work on JAX's own stream.
+    """
+    global _L2_FLUSH
+    from triton import runtime
+
+    driver = runtime.driver.active
+    device = driver.get_device_interface()
+    if _L2_FLUSH is None:
+        _L2_FLUSH = driver.get_empty_cache_for_benchmark()
+    for _ in range(warmup):
+        run()
+    device.synchronize()
+    starts = [device.Event(enable_timing=True) for _ in range(samples)]
+    ends = [device.Event(enable_timing=True) for _ in range(samples)]
+    for i in range(samples):
+        if grad_to_none is not None:
+            for x in grad_to_none:
+                x.grad = None
+        driver.clear_cache(_L2_FLUSH)
+        device.synchronize()
+        starts[i].record()
+        run()
+        ends[i].record()
+    device.synchronize()
+    return [float(s.elapsed_time(e)) for s, e in zip(starts, ends)]
+
+
+def spread(times_ms: list[float], calls: int = 1) -> dict[str, float]:
+    """min / median / max of per-call times (each sample ran ``calls`` calls) and the sample count."""
+    per_call = [t / calls for t in times_ms]
+    return {"min_ms": float(min(per_call)), "median_ms": float(np.median(per_call)),
+            "max_ms": float(max(per_call)), "samples": len(per_call), "calls_per_sample": calls}
+
+
+def time_stats_ms(fn: Callable[[], Any], samples: int = 10, warmup: int = 3,
+                  min_sample_ms: float = 1.0, max_calls: int = 8) -> dict[str, float]:
+    """min / median / max ms of one ``fn()`` over ``samples`` timed samples (see :func:`spread`).
+
+    On a GPU, CUDA events (:func:`event_samples_ms`); a sample queues as many calls (at most
+    ``max_calls``) as it takes to last ``min_sample_ms``, so dispatch of short calls overlaps the GPU
+    work. Without a GPU, the wall clock of single calls (which only shows that the script runs).
+    """
+    jax.block_until_ready(fn())  # compile outside the measurement
+    if not ejk_lite.ON_GPU:
+        times = []
+        for _ in range(samples):
+            start = time.perf_counter()
+            jax.block_until_ready(fn())
+            times.append((time.perf_counter() - start) * 1e3)
+        return spread(times)
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    estimate_ms = (time.perf_counter() - start) * 1e3
+    calls = int(min(max_calls, max(1, -(-min_sample_ms // max(estimate_ms, 1e-3)))))
+
+    def run():
+        out = None
+        for _ in range(calls):
+            out = fn()
+        jax.block_until_ready(out)
+
+    return spread(event_samples_ms(run, samples, warmup), calls)
 
 
 def dispatch_overhead_ms() -> float:
