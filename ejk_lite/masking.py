@@ -239,16 +239,18 @@ def _count_before(sorted_seg, sorted_pos, n_valid, seg, pos, inclusive: bool) ->
     lo = jnp.zeros((Bm, seg.shape[1], nK), jnp.int32)
     hi = jnp.broadcast_to(n_valid, lo.shape)
     keys_seg, keys_pos = sorted_seg[:, None], sorted_pos[:, None]  # [Bm, 1, nK, bk]
-    for _ in range(int(math.log2(bk)) + 1):
+
+    def step(_, bounds):  # a loop, not unrolled: XLA compiles one body (and folds no constants)
+        lo, hi = bounds
         mid = (lo + hi) // 2
         at = jnp.minimum(mid, bk - 1)[..., None]
         s = jnp.take_along_axis(keys_seg, at, axis=-1)[..., 0]
         p = jnp.take_along_axis(keys_pos, at, axis=-1)[..., 0]
         before = (s < seg) | ((s == seg) & ((p <= pos) if inclusive else (p < pos)))
         active = lo < hi
-        lo = jnp.where(active & before, mid + 1, lo)
-        hi = jnp.where(active & ~before, mid, hi)
-    return lo
+        return jnp.where(active & before, mid + 1, lo), jnp.where(active & ~before, mid, hi)
+
+    return jax.lax.fori_loop(0, bk.bit_length(), step, (lo, hi))[0]
 
 
 def _rule_kinds(rule: TokenRule, T: int, S: int, bq: int, bk: int) -> Array:
@@ -278,16 +280,18 @@ def _rank(keys_seg, keys_pos, seg, pos, inclusive: bool) -> Array:
     S = keys_seg.shape[1]
     lo = jnp.zeros(seg.shape, jnp.int32)
     hi = jnp.full(seg.shape, S, jnp.int32)
-    for _ in range(max(S, 1).bit_length()):
+
+    def step(_, bounds):  # a loop, not unrolled: XLA compiles one body (and folds no constants)
+        lo, hi = bounds
         mid = (lo + hi) // 2
         at = jnp.minimum(mid, S - 1)
         s = jnp.take_along_axis(keys_seg, at, axis=1)
         p = jnp.take_along_axis(keys_pos, at, axis=1)
         before = (s < seg) | ((s == seg) & ((p <= pos) if inclusive else (p < pos)))
         active = lo < hi
-        lo = jnp.where(active & before, mid + 1, lo)
-        hi = jnp.where(active & ~before, mid, hi)
-    return lo
+        return jnp.where(active & before, mid + 1, lo), jnp.where(active & ~before, mid, hi)
+
+    return jax.lax.fori_loop(0, max(S, 1).bit_length(), step, (lo, hi))[0]
 
 
 def _kinds_sorted_keys(T, S, bq, bk, qs, lo, hi, ks, kp) -> Array:
