@@ -1,0 +1,442 @@
+"""ejk_lite.blocksparse_attention against float64 references: the output and every gradient.
+
+Each case runs the Triton kernels (``impl="triton"``) with small explicit block sizes -- different
+for the forward and the backward, so both the multi-block paths and the backward's own block mask
+are exercised -- and compares the output and the gradients of query, key, value, ``softmax_aux``
+and ``bias`` (through ``jax.vjp`` with a random cotangent) with ``attention.reference`` evaluated in
+float64 on the same rounded inputs. Some cases also check the forward against a softmax written here
+in NumPy, so that a misreading shared by the reference and the kernels (the sink's place in the
+denominator, soft cap before bias, rows with nothing visible) cannot pass unnoticed.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import TOLERANCE, rel_err
+
+from ejk_lite import BlockMask, blocksparse_attention, make_block_mask
+from ejk_lite.attention import BlockSizes, reference
+
+FWD, BWD = BlockSizes(16, 16), BlockSizes(32, 16)  # small tiles: several blocks, and fwd != bwd
+DIFFERENTIABLE = ("query", "key", "value", "softmax_aux", "bias")
+
+# Gradients in bfloat16 / float16: on a GPU the kernels feed p and dS to tl.dot in the input dtype
+# (as every FlashAttention backward does), and dQ / dK sum T or S such rounded products: their error
+# is a few times the output's, whose only rounding is the final store. Forward: TOLERANCE as is.
+LOW_PRECISION_GRAD_SLACK = 3.0
+
+
+# ----------------------------------------------------------------------------------------------
+# Inputs, the independent NumPy softmax, and the comparison.
+# ----------------------------------------------------------------------------------------------
+
+
+def make_inputs(rng, *, B=1, H=2, H_kv=1, T=40, S=None, D=24, Dv=None, sinks=False, bias_shape=None,
+                q_scale=1.0):
+    S = T if S is None else S
+    Dv = D if Dv is None else Dv
+    arrays = dict(query=q_scale * rng.normal(size=(B, H, T, D)), key=rng.normal(size=(B, H_kv, S, D)),
+                  value=rng.normal(size=(B, H_kv, S, Dv)))
+    if sinks:  # sinks that matter: comparable to a row's sum of exponentials, one dominating
+        arrays["softmax_aux"] = np.r_[4.0, rng.normal(1.5, 1.0, size=H - 1)]
+    if bias_shape is not None:
+        arrays["bias"] = rng.normal(size=bias_shape)
+    return arrays
+
+
+def document_ids(rng, n, batch):
+    """Sorted segment ids of packed documents (one-token and empty documents included)."""
+    rows = []
+    for _ in range(batch):
+        lengths = [1, 0] + list(rng.multinomial(n - 1, rng.dirichlet(np.ones(4))))
+        rows.append(np.repeat(np.arange(len(lengths)), lengths))
+    return np.stack(rows).astype(np.int32)
+
+
+def restarting_positions(ids):
+    out = np.empty_like(ids)
+    for b, row in enumerate(ids):
+        starts = np.r_[0, np.flatnonzero(np.diff(row)) + 1]
+        out[b] = np.arange(len(row)) - np.repeat(starts, np.diff(np.r_[starts, len(row)]))
+    return out
+
+
+def numpy_visible(T, S, q_segment_ids=None, kv_segment_ids=None, q_positions=None, kv_positions=None,
+                  causal=True, sliding_window=None, attention_mask=None, **_):
+    vis = np.ones((1, 1, T, S), bool)
+    if q_segment_ids is not None:
+        vis = vis & (q_segment_ids[:, None, :, None] == kv_segment_ids[:, None, None, :])
+    qp = np.arange(T)[None] if q_positions is None else q_positions
+    kp = np.arange(S)[None] if kv_positions is None else kv_positions
+    d = kp[:, None, None, :].astype(np.int64) - qp[:, None, :, None]
+    if causal:
+        vis = vis & (d <= 0)
+    if sliding_window is not None:
+        left, right = (sliding_window, sliding_window) if np.isscalar(sliding_window) else sliding_window
+        vis = vis & (-left <= d) & (d <= right)
+    if attention_mask is not None:
+        vis = vis & (np.asarray(attention_mask) != 0)
+    return vis
+
+
+def numpy_attention(query, key, value, softmax_aux=None, bias=None, *, logits_soft_cap=None,
+                    softmax_scale=None, **options):
+    """p_ij = e^{s_ij} / (e^{sink_h} + sum_j visible e^{s_ij}); s = cap tanh(scale q.k / cap) + bias."""
+    B, H, T, D = query.shape
+    S = key.shape[2]
+    G = H // key.shape[1]
+    k, v = np.repeat(key, G, axis=1), np.repeat(value, G, axis=1)
+    s = np.einsum("bhtd,bhsd->bhts", query, k) * (D ** -0.5 if softmax_scale is None else softmax_scale)
+    if logits_soft_cap is not None:
+        s = logits_soft_cap * np.tanh(s / logits_soft_cap)
+    if bias is not None:
+        s = s + bias
+    visible = np.broadcast_to(numpy_visible(T, S, **options), s.shape)
+    out = np.zeros((B, H, T, value.shape[-1]))
+    for b, h, t in np.ndindex(B, H, T):
+        row = s[b, h, t][visible[b, h, t]]
+        terms = list(row) + ([softmax_aux[h]] if softmax_aux is not None else [])
+        if not terms:
+            continue  # nothing visible, no sink: zeros
+        m = max(terms)
+        e = np.exp(row - m)
+        denominator = e.sum() + (np.exp(softmax_aux[h] - m) if softmax_aux is not None else 0.0)
+        out[b, h, t] = e @ v[b, h][visible[b, h, t]] / denominator
+    return out
+
+
+def run(arrays, dtype, options, *, fwd=FWD, bwd=BWD, cotangent_rng=None):
+    """The kernels' output and gradients (of every array in ``arrays``) and the float64 reference's."""
+    names = list(arrays)
+    xs = [jnp.asarray(arrays[name], dtype) for name in names]
+
+    def call(fn, *xs, **extra):
+        return fn(**dict(zip(names, xs)), **options, **extra)
+
+    out, vjp = jax.vjp(lambda *xs: call(blocksparse_attention, *xs, impl="triton", fwd_blocks=fwd,
+                                        bwd_blocks=bwd), *xs)
+    cotangent = jnp.asarray(cotangent_rng.normal(size=out.shape), dtype)
+    grads = vjp(cotangent)
+    with jax.enable_x64(True):
+        xs64 = [jnp.asarray(np.asarray(x, np.float64)) for x in xs]
+        ref, ref_vjp = jax.vjp(lambda *xs: call(reference, *xs), *xs64)
+        ref_grads = ref_vjp(jnp.asarray(np.asarray(cotangent, np.float64)))
+        ref, ref_grads = np.asarray(ref), [np.asarray(g) for g in ref_grads]
+    inputs64 = {name: np.asarray(x, np.float64) for name, x in zip(names, xs)}
+    return out, dict(zip(names, grads)), ref, dict(zip(names, ref_grads)), inputs64
+
+
+def check(rng, arrays, options, dtype=jnp.float32, *, numpy_check=False, fwd=FWD, bwd=BWD):
+    """Compare output and gradients with the float64 reference (and the NumPy softmax if asked)."""
+    out, grads, ref, ref_grads, inputs64 = run(arrays, dtype, options, fwd=fwd, bwd=bwd, cotangent_rng=rng)
+    B, H, T, _ = arrays["query"].shape
+    assert out.shape == (B, H, T, arrays["value"].shape[-1]) and out.dtype == dtype
+    tol = TOLERANCE[jnp.dtype(dtype).name]
+    grad_tol = tol if dtype == jnp.float32 else LOW_PRECISION_GRAD_SLACK * tol
+    errors = {"output": rel_err(out, ref)}
+    for name, grad in grads.items():
+        assert grad.shape == arrays[name].shape and grad.dtype == dtype, name
+        errors[f"d{name}"] = rel_err(grad, ref_grads[name])
+    failed = {k: e for k, e in errors.items() if e > (tol if k == "output" else grad_tol)}
+    assert not failed, f"errors {errors} (tolerance {tol}, gradients {grad_tol})"
+    if numpy_check:
+        expected = numpy_attention(**inputs64, **options)
+        assert rel_err(ref, expected) < 1e-12, "attention.reference disagrees with the NumPy softmax"
+        assert rel_err(out, expected) <= tol
+    return out, grads, ref, ref_grads
+
+
+# ----------------------------------------------------------------------------------------------
+# The cases of issue 9, forward and every gradient.
+# ----------------------------------------------------------------------------------------------
+
+
+def documents(rng, B, T, S=None, window=None, causal=True):
+    q_ids = document_ids(rng, T, B)
+    kv_ids = q_ids if S is None else document_ids(rng, S, B)
+    return dict(q_segment_ids=q_ids, kv_segment_ids=kv_ids, q_positions=restarting_positions(q_ids),
+                kv_positions=restarting_positions(kv_ids), causal=causal, sliding_window=window)
+
+
+def padding_mask(rng, B, T, S):
+    """Keys past each row's length are padding, and so are queries past another (rows with nothing)."""
+    t, s = np.arange(T)[:, None], np.arange(S)[None, :]
+    return np.stack([(s < rng.integers(S // 3, S)) & (t < rng.integers(T // 2, T)) for _ in range(B)])[:, None]
+
+
+def prefix_lm_mask(rng, B, T):
+    t, s = np.arange(T)[:, None], np.arange(T)[None, :]
+    return np.stack([(s < rng.integers(1, T)) | (s <= t) for _ in range(B)])[:, None]
+
+
+# name: (dtype, make_inputs keywords, options (a function of rng), check against NumPy too)
+CASES = {
+    "dense": (jnp.float32, dict(T=40, D=32), lambda rng: dict(causal=False), True),
+    "causal_nonmultiple_dv": (jnp.float32, dict(T=45, D=24, Dv=40), lambda rng: dict(causal=True), False),
+    "causal_window": (jnp.float32, dict(T=64, D=16), lambda rng: dict(causal=True, sliding_window=9), False),
+    "two_sided_window_gqa1": (jnp.float32, dict(T=50, H=4, H_kv=1),
+                              lambda rng: dict(causal=False, sliding_window=(7, 3)), True),
+    "documents_gqa2": (jnp.float32, dict(B=2, T=56, H=4, H_kv=2), lambda rng: documents(rng, 2, 56), True),
+    "documents_window": (jnp.float32, dict(B=2, T=48),
+                         lambda rng: documents(rng, 2, 48, window=(4, 4), causal=False), False),
+    "cross_attention": (jnp.float32, dict(T=24, S=56, H=4, H_kv=2, D=40, Dv=24),
+                        lambda rng: dict(causal=True, q_positions=np.arange(32, 56, dtype=np.int32)[None]),
+                        True),
+    "sinks": (jnp.float32, dict(T=40, sinks=True, H=4, H_kv=2), lambda rng: dict(causal=True), True),
+    "soft_cap_large_logits": (jnp.float32, dict(T=40, D=32, q_scale=12.0),
+                              lambda rng: dict(causal=True, logits_soft_cap=2.0), True),
+    "soft_cap_then_bias": (jnp.float32, dict(T=33, D=32, q_scale=12.0, bias_shape=(1, 2, 33, 33)),
+                           lambda rng: dict(causal=False, logits_soft_cap=2.0), True),
+    "bias_full": (jnp.float32, dict(B=2, T=37, bias_shape=(2, 2, 37, 37)), lambda rng: dict(causal=True),
+                  False),
+    "bias_heads_keys": (jnp.float32, dict(B=2, T=37, S=45, bias_shape=(1, 2, 1, 45)),
+                        lambda rng: dict(causal=False), False),
+    "bias_2d": (jnp.float32, dict(T=37, bias_shape=(37, 37)), lambda rng: dict(causal=True), False),
+    "padding_mask": (jnp.float32, dict(B=2, T=40, S=50), lambda rng: dict(
+        causal=False, attention_mask=padding_mask(rng, 2, 40, 50)), True),
+    "prefix_lm_mask": (jnp.float32, dict(B=2, T=40), lambda rng: dict(
+        causal=False, attention_mask=prefix_lm_mask(rng, 2, 40)), False),
+    "one_token": (jnp.float32, dict(T=1, sinks=True), lambda rng: dict(causal=True), True),
+    "one_query": (jnp.float32, dict(T=1, S=40), lambda rng: dict(
+        causal=True, sliding_window=20, q_positions=np.array([[39]], np.int32)), True),
+    # Low precision: several features at once (each feature has an fp32 case of its own above).
+    "bf16_documents_sinks": (jnp.bfloat16, dict(B=2, T=56, H=4, H_kv=2, sinks=True),
+                             lambda rng: documents(rng, 2, 56), False),
+    "bf16_soft_cap_bias": (jnp.bfloat16, dict(T=40, q_scale=12.0, bias_shape=(1, 2, 1, 40)),
+                           lambda rng: dict(causal=True, logits_soft_cap=2.0), False),
+    "fp16_window_mask": (jnp.float16, dict(B=2, T=45, H=4, H_kv=1, D=40, Dv=24), lambda rng: dict(
+        causal=True, sliding_window=(12, 0), attention_mask=padding_mask(rng, 2, 45, 45)), False),
+    "fp16_cross_documents": (jnp.float16, dict(B=2, T=33, S=48), lambda rng: documents(rng, 2, 33, 48),
+                             False),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_against_float64_reference(case, rng):
+    dtype, shapes, options, numpy_check = CASES[case]
+    options = options(rng)
+    arrays = make_inputs(rng, **shapes)
+    if "logits_soft_cap" in options:  # the logits reach far beyond the cap
+        raw = np.einsum("bhtd,bhsd->bhts", arrays["query"][:, :1], arrays["key"][:, :1]) * shapes.get("D", 24) ** -0.5
+        assert np.abs(raw).max() >= 5 * options["logits_soft_cap"]
+    check(rng, arrays, options, dtype, numpy_check=numpy_check)
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+def test_fully_masked_rows(sinks, rng):
+    """Rows with no visible key: output exactly 0, gradients finite and 0 for those rows."""
+    B, T, S = 2, 40, 37
+    arrays = make_inputs(rng, B=B, T=T, S=S, H=4, H_kv=2, sinks=sinks, bias_shape=(B, 4, T, S))
+    mask = rng.random((B, 1, T, S)) < 0.5
+    empty_rows = [(0, 3), (0, 17), (1, 0), (1, 39)] + [(b, t) for b in range(B) for t in range(20, 36)]
+    for b, t in empty_rows:
+        mask[b, :, t] = False
+    options = dict(causal=False, attention_mask=mask)
+    out, grads, _, _ = check(rng, arrays, options, numpy_check=True)
+    rows = tuple(np.array(empty_rows).T)
+    np.testing.assert_array_equal(np.asarray(out)[rows[0], :, rows[1]], 0.0)
+    np.testing.assert_array_equal(np.asarray(grads["query"])[rows[0], :, rows[1]], 0.0)
+    np.testing.assert_array_equal(np.asarray(grads["bias"])[rows[0], :, rows[1]], 0.0)
+    for name, grad in grads.items():
+        assert np.all(np.isfinite(np.asarray(grad))), name
+
+    # Documents whose keys are all absent (cross-attention), as segment ids rather than a token mask.
+    q_ids = np.repeat([[0, 1, 2]], [13, 14, 13], axis=1).astype(np.int32)
+    kv_ids = np.repeat([[0, 2]], [20, 17], axis=1).astype(np.int32)
+    arrays = make_inputs(rng, T=T, S=S, sinks=sinks)
+    out, grads, _, _ = check(rng, arrays, dict(causal=False, q_segment_ids=q_ids, kv_segment_ids=kv_ids),
+                             numpy_check=True)
+    np.testing.assert_array_equal(np.asarray(out)[:, :, 13:27], 0.0)
+    np.testing.assert_array_equal(np.asarray(grads["query"])[:, :, 13:27], 0.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Block layouts, prebuilt masks, mask builders.
+# ----------------------------------------------------------------------------------------------
+
+
+def strided_layout(H, nq, nk, stride=2):
+    i, j = np.arange(nq)[:, None], np.arange(nk)[None, :]
+    return np.stack([((i - j + h) % stride == 0) | (j == 0) for h in range(H)])
+
+
+def layout_tokens(layout, block, T, S):
+    return layout[:, np.arange(T) // block[0]][:, :, np.arange(S) // block[1]][None]
+
+
+def test_bool_layout_with_chunk_size(rng):
+    """A strided [H, nQ, nK] layout of 32-token tiles, with causal: the reference must agree, and the
+    visible pairs are exactly causal & layout."""
+    T = S = 70
+    layout = strided_layout(2, 3, 3)
+    arrays = make_inputs(rng, T=T)
+    options = dict(causal=True, qkv_layouts=layout, chunk_size=32)
+    check(rng, arrays, options)
+    expected = numpy_attention(**arrays, causal=True,
+                               attention_mask=layout_tokens(layout, (32, 32), T, S))
+    out = blocksparse_attention(**{k: jnp.asarray(v, jnp.float32) for k, v in arrays.items()}, **options,
+                                impl="triton", fwd_blocks=FWD, bwd_blocks=BWD)
+    assert rel_err(out, expected) <= TOLERANCE["float32"]
+
+
+def test_prebuilt_block_mask_equals_rule(rng):
+    """A BlockMask from make_block_mask as qkv_layouts (causal=False) equals the same rule given to
+    the op, output and gradients."""
+    B, T = 2, 50
+    doc = documents(rng, B, T, window=(10, 0))
+    mask = make_block_mask(T, T, q_block=16, kv_block=16, **doc)
+    arrays = make_inputs(rng, B=B, T=T, H=4, H_kv=2)
+    prebuilt = check(rng, arrays, dict(qkv_layouts=mask, causal=False))
+    by_rule = run(arrays, jnp.float32, doc, cotangent_rng=np.random.default_rng(0))
+    again = run(arrays, jnp.float32, dict(qkv_layouts=mask, causal=False), cotangent_rng=np.random.default_rng(0))
+    np.testing.assert_allclose(np.asarray(again[0]), np.asarray(by_rule[0]), rtol=1e-6, atol=1e-6)
+    for name in again[1]:
+        np.testing.assert_allclose(np.asarray(again[1][name]), np.asarray(by_rule[1][name]), rtol=1e-5,
+                                   atol=1e-6)
+    assert rel_err(prebuilt[0], numpy_attention(**arrays, **doc)) <= TOLERANCE["float32"]
+
+
+def test_mask_builder(rng):
+    """mask_builder returns a block layout (tiles of chunk_size) or a BlockMask."""
+    T = 48
+    layout = strided_layout(1, 3, 3, stride=3)[0]
+    arrays = make_inputs(rng, T=T)
+    check(rng, arrays, dict(causal=True, mask_builder=lambda: layout, chunk_size=16))
+    window = make_block_mask(T, T, q_block=32, kv_block=32, sliding_window=(5, 5))
+    out, _, _, _ = check(rng, arrays, dict(causal=True, mask_builder=lambda: window))
+    expected = numpy_attention(**arrays, causal=True, sliding_window=(5, 5))
+    assert rel_err(out, expected) <= TOLERANCE["float32"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Transformations: jit, vmap (and grad under vmap); impl="xla"; empty sequences.
+# ----------------------------------------------------------------------------------------------
+
+
+def test_jit_with_traced_ids(rng):
+    B, T = 2, 40
+    doc = documents(rng, B, T, window=6)
+    arrays = make_inputs(rng, B=B, T=T, sinks=True)
+    xs = {k: jnp.asarray(v, jnp.float32) for k, v in arrays.items()}
+
+    @jax.jit
+    def loss(xs, q_ids, q_pos):
+        o = blocksparse_attention(**xs, q_segment_ids=q_ids, kv_segment_ids=q_ids, q_positions=q_pos,
+                                  kv_positions=q_pos, causal=True, sliding_window=6, impl="triton",
+                                  fwd_blocks=FWD, bwd_blocks=BWD)
+        return jnp.sum(o * jnp.cos(o)), o
+
+    (value, out), grads = jax.value_and_grad(loss, has_aux=True)(xs, doc["q_segment_ids"], doc["q_positions"])
+    with jax.enable_x64(True):
+        xs64 = {k: jnp.asarray(v, jnp.float64) for k, v in arrays.items()}
+
+        def ref_loss(xs):
+            o = reference(**xs, **doc)
+            return jnp.sum(o * jnp.cos(o)), o
+
+        (_, ref), ref_grads = jax.value_and_grad(ref_loss, has_aux=True)(xs64)
+    assert rel_err(out, ref) <= TOLERANCE["float32"]
+    for name in grads:
+        assert rel_err(grads[name], ref_grads[name]) <= TOLERANCE["float32"], name
+
+
+def test_vmap_and_grad_under_vmap(rng):
+    N, B, T = 2, 1, 37
+    arrays = make_inputs(rng, B=B, T=T, H=4, H_kv=2)
+    q = jnp.asarray(rng.normal(size=(N, *arrays["query"].shape)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(N, *arrays["key"].shape)), jnp.float32)
+    v = jnp.asarray(arrays["value"], jnp.float32)  # shared by every element of the mapped axis
+    options = dict(causal=True, sliding_window=(8, 0))
+
+    def attend(q, k, v, fn=blocksparse_attention, **extra):
+        return fn(q, k, v, **options, **extra)
+
+    kernels = functools.partial(attend, impl="triton", fwd_blocks=FWD, bwd_blocks=BWD)
+    out = jax.vmap(kernels, in_axes=(0, 0, None))(q, k, v)
+    grads = jax.vmap(jax.grad(lambda q, k, v: jnp.sum(kernels(q, k, v) ** 2), argnums=(0, 1, 2)),
+                     in_axes=(0, 0, None))(q, k, v)
+    with jax.enable_x64(True):
+        q64, k64, v64 = (jnp.asarray(np.asarray(x), jnp.float64) for x in (q, k, v))
+        ref = np.stack([np.asarray(attend(q64[n], k64[n], v64, fn=reference)) for n in range(N)])
+        ref_grads = [jax.grad(lambda q, k, v: jnp.sum(attend(q, k, v, fn=reference) ** 2), argnums=(0, 1, 2))(
+            q64[n], k64[n], v64) for n in range(N)]
+    assert rel_err(out, ref) <= TOLERANCE["float32"]
+    for i in range(3):
+        expected = np.stack([np.asarray(g[i]) for g in ref_grads])
+        assert rel_err(grads[i], expected) <= TOLERANCE["float32"], i
+
+
+def test_impl_xla_is_the_reference(rng):
+    arrays = make_inputs(rng, B=2, T=30, S=42, sinks=True, bias_shape=(1, 2, 30, 42))
+    xs = {k: jnp.asarray(v, jnp.float32) for k, v in arrays.items()}
+    options = dict(documents(rng, 2, 30, 42, window=(9, 2)), logits_soft_cap=3.0)
+    out = blocksparse_attention(**xs, **options, impl="xla")
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(reference(**xs, **options)))
+    assert rel_err(out, numpy_attention(**{k: np.asarray(v, np.float64) for k, v in xs.items()}, **options)) \
+        <= TOLERANCE["float32"]
+
+
+@pytest.mark.parametrize("T, S", [(0, 16), (16, 0), (0, 0)])
+def test_empty_sequences(T, S, rng):
+    arrays = {k: jnp.asarray(v, jnp.float32) for k, v in make_inputs(rng, T=T, S=S, D=16, Dv=8).items()}
+    f = functools.partial(blocksparse_attention, causal=True, impl="triton", fwd_blocks=FWD, bwd_blocks=BWD)
+    out, vjp = jax.vjp(f, arrays["query"], arrays["key"], arrays["value"])
+    assert out.shape == (1, 2, T, 8) and out.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(out), 0.0)
+    for grad, x in zip(vjp(jnp.ones_like(out)), arrays.values()):
+        assert grad.shape == x.shape
+        np.testing.assert_array_equal(np.asarray(grad), 0.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad input: a ValueError naming the argument.
+# ----------------------------------------------------------------------------------------------
+
+
+def bad_inputs():
+    q, k, v = np.zeros((2, 4, 16, 8), np.float32), np.zeros((2, 2, 24, 8), np.float32), \
+        np.zeros((2, 2, 24, 8), np.float32)
+    ids_q, ids_k = np.zeros((2, 16), np.int32), np.zeros((2, 24), np.int32)
+    return [
+        ("key/value heads", dict(key=np.zeros((2, 3, 24, 8), np.float32), value=np.zeros((2, 3, 24, 8), np.float32))),
+        ("query", dict(query=np.zeros((2, 4, 16), np.float32))),
+        ("key", dict(key=np.zeros((2, 2, 24, 6), np.float32))),
+        ("value", dict(value=np.zeros((2, 2, 20, 8), np.float32))),
+        ("key and value", dict(key=np.zeros((1, 2, 24, 8), np.float32), value=np.zeros((1, 2, 24, 8), np.float32))),
+        ("query", dict(query=np.zeros((2, 4, 16, 8), np.int32))),
+        ("softmax_aux", dict(softmax_aux=np.zeros((2,), np.float32))),
+        ("softmax_aux", dict(softmax_aux=np.zeros((1, 4), np.float32))),
+        ("bias", dict(bias=np.zeros((2, 4, 16, 23), np.float32))),
+        ("bias", dict(bias=np.zeros((3, 1, 1, 1), np.float32))),
+        ("bias", dict(bias=np.zeros((1, 2, 4, 16, 24), np.float32))),
+        ("q_segment_ids", dict(q_segment_ids=np.zeros((2, 15), np.int32), kv_segment_ids=ids_k)),
+        ("kv_segment_ids", dict(q_segment_ids=ids_q, kv_segment_ids=np.zeros((2, 1, 24), np.int32))),
+        ("kv_segment_ids", dict(q_segment_ids=ids_q)),
+        ("q_positions", dict(q_positions=np.zeros((2, 16), np.float32))),
+        ("kv_positions", dict(kv_positions=np.zeros((3, 24), np.int32))),
+        ("attention_mask", dict(attention_mask=np.ones((2, 1, 16, 16), bool))),
+        ("attention_mask", dict(attention_mask=np.ones((2, 3, 16, 24), bool))),
+        ("sliding_window", dict(sliding_window=-2)),
+        ("sliding_window", dict(sliding_window=(4, -1))),
+        ("impl", dict(impl="cuda")),
+        ("logits_soft_cap", dict(logits_soft_cap=-1.0)),
+        ("qkv_layouts", dict(qkv_layouts=make_block_mask(16, 16, q_block=16, kv_block=16))),
+        ("layout", dict(qkv_layouts=np.ones((3, 3), bool), chunk_size=16)),
+        ("chunk_size", dict(qkv_layouts=np.ones((1, 1), bool), chunk_size=24)),
+        ("fwd_blocks", dict(fwd_blocks=(16, 16))),
+        ("block_q", dict(fwd_blocks=BlockSizes(24, 16))),
+        ("qkv_layouts or mask_builder", dict(qkv_layouts=np.ones((1, 1), bool), mask_builder=lambda: None)),
+    ], dict(query=q, key=k, value=v)
+
+
+BAD, BASE = bad_inputs()
+
+
+@pytest.mark.parametrize("name, kwargs", BAD, ids=[f"{n}-{i}" for i, (n, _) in enumerate(BAD)])
+def test_bad_input_names_the_argument(name, kwargs):
+    arguments = dict(BASE, **kwargs)
+    with pytest.raises(ValueError, match=name):
+        blocksparse_attention(**arguments)
