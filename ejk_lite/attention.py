@@ -733,7 +733,8 @@ def _reference_spec(query, key, value, softmax_aux, bias, spec: _MaskSpec, scale
     q = query.astype(dtype)
     k = jnp.repeat(key.astype(dtype), G, axis=1)
     v = jnp.repeat(value.astype(dtype), G, axis=1)
-    s = jnp.einsum("bhtd,bhsd->bhts", q, k) * scale
+    exact = jax.lax.Precision.HIGHEST  # not TF32: on a GPU XLA rounds float32 matmul inputs by default
+    s = jnp.einsum("bhtd,bhsd->bhts", q, k, precision=exact) * scale
     if logits_soft_cap is not None:
         s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
     if bias is not None:
@@ -750,7 +751,7 @@ def _reference_spec(query, key, value, softmax_aux, bias, spec: _MaskSpec, scale
     denom = jnp.sum(e, axis=-1)
     if softmax_aux is not None:
         denom = denom + jnp.exp(sink - m)
-    o = jnp.einsum("bhts,bhsd->bhtd", e, v) / jnp.where(denom == 0, 1.0, denom)[..., None]
+    o = jnp.einsum("bhts,bhsd->bhtd", e, v, precision=exact) / jnp.where(denom == 0, 1.0, denom)[..., None]
     return o.astype(query.dtype)
 
 
