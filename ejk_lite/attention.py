@@ -43,8 +43,8 @@ import triton
 import triton.language as tl
 from jax import Array
 
-from ejk_lite.launch import INTERPRETER, triton_call, vmap_sequentially
-from ejk_lite.masking import EMPTY, BlockMask, TokenRule, intersection, make_block_mask, token_rule, _build
+from ejk_lite.launch import triton_call, vmap_sequentially
+from ejk_lite.masking import EMPTY, BlockMask, TokenRule, _build, _check_block, _check_layout, dense_mask, token_rule
 
 LOG2E = math.log2(math.e)
 _BIG_WINDOW = 2**30
@@ -714,8 +714,6 @@ def _mask_spec(B, H, T, S, q_segment_ids, kv_segment_ids, q_positions, kv_positi
             return _MaskSpec(rule, given.layout, given.layout_block, "and", None)
         dense = given.token_mask() & rule.dense(T, S)  # two rules: exact through the dense mask
         return _MaskSpec(TokenRule(attention_mask=dense), None, None, "and", None)
-    from ejk_lite.masking import _check_block, _check_layout
-
     block = chunk_size if chunk_size is not None else default_block
     block = (block, block) if isinstance(block, (int, np.integer)) else tuple(block)
     _check_block("chunk_size", block[0])
@@ -725,8 +723,6 @@ def _mask_spec(B, H, T, S, q_segment_ids, kv_segment_ids, q_positions, kv_positi
 
 
 def _reference_spec(query, key, value, softmax_aux, bias, spec: _MaskSpec, scale, logits_soft_cap):
-    from ejk_lite.masking import dense_mask
-
     B, H, T, D = query.shape
     G = H // key.shape[1]
     dtype = jnp.promote_types(query.dtype, jnp.float32)
@@ -886,8 +882,6 @@ def blocksparse_attention(
                                       causal, default_block)
     fwd, bwd = _fit(fwd, spec), _fit(bwd, spec)
     for blocks in (fwd, bwd):
-        from ejk_lite.masking import _check_block
-
         _check_block("block_q", blocks.block_q)
         _check_block("block_kv", blocks.block_kv)
     unsupported = _triton_supported(query, value, fwd, bwd)
