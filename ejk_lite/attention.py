@@ -46,7 +46,7 @@ from jax import Array
 from ejk_lite.launch import triton_call, vmap_sequentially
 from ejk_lite.masking import EMPTY, BlockMask, TokenRule, _build, _check_block, _check_layout, dense_mask, token_rule
 
-LOG2E = math.log2(math.e)
+LOG2E = tl.constexpr(math.log2(math.e))  # a constexpr: usable inside the kernels too
 _BIG_WINDOW = 2**30
 
 
@@ -72,17 +72,21 @@ class BlockSizes:
             return BlockSizes(64, 64, num_warps=4, num_stages=2) if head_dim <= 128 else BlockSizes(32, 32, 4, 1)
         if head_dim <= 64:
             return BlockSizes(128, 64, num_warps=4, num_stages=3)
-        if head_dim <= 128:  # H100, B4 H16 T8192 causal: 3.26 ms; 4 warps 4.59, 128 x 128 3.47
-            return BlockSizes(128, 64, num_warps=8, num_stages=3)
+        if head_dim <= 128:  # H100, B4 H16 T8192, same run: causal 2.93 ms (128 x 64, 3 stages:
+            # 3.27), window 1024 1.30 (1.21), documents 0.88 (1.17); 128 x 64 with 4 warps 4.59
+            return BlockSizes(128, 128, num_warps=8, num_stages=2)
         return BlockSizes(64, 64, num_warps=4, num_stages=2)
 
     @staticmethod
     def backward(head_dim: int, dtype: Any = jnp.bfloat16) -> BlockSizes:
+        """One config for both backward kernels (``bwd_blocks`` also takes a pair ``(dkv, dq)``)."""
         if jnp.dtype(dtype).itemsize >= 4:
             return BlockSizes(64, 64, num_warps=4, num_stages=1) if head_dim <= 128 else BlockSizes(32, 32, 4, 1)
         if head_dim <= 64:
             return BlockSizes(64, 64, num_warps=4, num_stages=2)
-        if head_dim <= 128:  # H100, B4 H16 T8192 causal: 4 warps 10.9 ms fwd+bwd, 8 warps 19.0 ms
+        if head_dim <= 128:  # H100, B4 H16 T8192 causal: 4 warps 10.9 ms fwd+bwd, 8 warps 19.0 ms;
+            # each kernel alone at its own tiles, dK/dV: 64 x 64 4.86 ms, 32 x 64 7.36, 32 x 128
+            # (FlashAttention-2's Triton tutorial's shape) 7.85-16.9; dQ: 64 x 64 3.47, 128 x 32 4.34
             return BlockSizes(64, 64, num_warps=4, num_stages=2)
         return BlockSizes(32, 32, num_warps=4, num_stages=1)
 
@@ -94,7 +98,8 @@ class _Static:
     scale: float
     soft_cap: float | None
     fwd: BlockSizes
-    bwd: BlockSizes
+    dkv: BlockSizes  # the backward's dK/dV kernel
+    dq: BlockSizes   # the backward's dQ kernel
     causal: bool
     window: tuple[int, int] | None
     has_segments: bool
@@ -113,20 +118,38 @@ def _tanh(x):
 
 
 @triton.jit
-def _logits(q, k, offs_m, offs_n, bias_base, stride_bt, stride_bs, SCALE: tl.constexpr, SOFT_CAP: tl.constexpr, T, S,
-            USE_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """``s = SCALE q k^T``, soft-capped, plus bias; also returns tanh (for the soft cap's derivative)."""
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * SCALE
+def _logits(q, k, offs_m, offs_n, bias_base, stride_bt, stride_bs, SCALE: tl.constexpr,
+            SOFT_CAP: tl.constexpr, T, S, USE_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr,
+            DOT_PRECISION: tl.constexpr):
+    """The final logits in base 2, ``log2(e) * (cap * tanh(SCALE q k^T / cap) + bias)``, and the
+    tanh (for the soft cap's derivative). Base 2 because ``exp2`` is one instruction; without a
+    soft cap and a bias the whole scaling is one multiply by a constant."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     t = s
     if USE_SOFTCAP:
-        t = _tanh(s / SOFT_CAP)
-        s = SOFT_CAP * t
+        t = _tanh(s * (SCALE / SOFT_CAP))
+        s = t * (SOFT_CAP * LOG2E)
+    else:
+        s = s * (SCALE * LOG2E)
     if HAS_BIAS:
         bias_ptrs = (bias_base + offs_m.to(tl.int64)[:, None] * stride_bt
                      + offs_n.to(tl.int64)[None, :] * stride_bs)
         in_range = (offs_m < T)[:, None] & (offs_n < S)[None, :]
-        s += tl.load(bias_ptrs, mask=in_range, other=0.0).to(tl.float32)
+        s += tl.load(bias_ptrs, mask=in_range, other=0.0).to(tl.float32) * LOG2E
     return s, t
+
+
+@triton.jit
+def _load_tile(base, offs_r, offs_c, n_rows, N_COLS: tl.constexpr, EVEN: tl.constexpr):
+    """Rows ``offs_r`` x columns ``offs_c`` of a row-major ``[n_rows, N_COLS]`` array, zeros
+    outside. ``EVEN``: the tile lies inside (no bounds to test, the loads vectorise fully)."""
+    ptrs = base + offs_r[:, None] * N_COLS + offs_c[None, :]
+    if EVEN:
+        x = tl.load(ptrs)
+    else:
+        x = tl.load(ptrs, mask=(offs_r < n_rows)[:, None] & (offs_c < N_COLS)[None, :],
+                    other=0.0)
+    return x
 
 
 @triton.jit
@@ -161,24 +184,22 @@ def _fwd_tiles(acc, m_i, l_i, q, offs_m, q_seg, q_pos, list_ptr, count,
                D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BK: tl.constexpr,
                MASKED: tl.constexpr, HAS_SEGMENTS: tl.constexpr, IS_CAUSAL: tl.constexpr,
                HAS_WINDOW: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
-               USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
+               USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_S: tl.constexpr):
     """The online-softmax inner loop over ``count`` key blocks read from ``list_ptr``."""
     offs_d = tl.arange(0, BD)
     offs_dv = tl.arange(0, BDV)
     for i in range(count):
         kb = tl.load(list_ptr + i)
         offs_n = kb * BK + tl.arange(0, BK)
-        in_kv = offs_n < S
-        k = tl.load(k_base + offs_n[:, None] * D + offs_d[None, :],
-                    mask=in_kv[:, None] & (offs_d < D)[None, :], other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * DV + offs_dv[None, :],
-                    mask=in_kv[:, None] & (offs_dv < DV)[None, :], other=0.0)
+        k = _load_tile(k_base, offs_n, offs_d, S, D, EVEN_S & (D == BD))
+        v = _load_tile(v_base, offs_n, offs_dv, S, DV, EVEN_S & (DV == BDV))
         s, _ = _logits(q, k, offs_m, offs_n, bias_base, stride_bt, stride_bs, SCALE, SOFT_CAP, T, S,
                        USE_SOFTCAP, HAS_BIAS, DOT_PRECISION)
         visible = _visible(offs_m, offs_n, q_seg, q_pos, kv_seg_base, kv_pos_base, mask_base,
                            window_left, window_right, T, S, MASKED, HAS_SEGMENTS, IS_CAUSAL,
                            HAS_WINDOW, HAS_TOKEN_MASK)
-        s = tl.where(visible, s * 1.4426950408889634, float("-inf"))  # log2(e): base-2 logits
+        if MASKED or not EVEN_S:  # full tiles of an even length: every pair is visible
+            s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
         alpha = tl.exp2(m_i - m_use)
@@ -205,7 +226,7 @@ def _attention_fwd_kernel(
     BDV: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,
     HAS_SEGMENTS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_TOKEN_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    HAS_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_S: tl.constexpr,
 ):
     # Query blocks in reverse order: under a causal mask the last blocks have the most work; they
     # start first, so the short ones fill the gaps at the end.
@@ -233,7 +254,7 @@ def _attention_fwd_kernel(
     bias_base = bias_ptr + i_b.to(tl.int64) * stride_bb + i_h.to(tl.int64) * stride_bh
 
     if HAS_SINKS:  # the sink is the first "logit" of every row: m = sink, l = exp2(sink - m) = 1
-        m_i = tl.zeros([BQ], tl.float32) + tl.load(sink_ptr + i_h).to(tl.float32) * 1.4426950408889634
+        m_i = tl.zeros([BQ], tl.float32) + tl.load(sink_ptr + i_h).to(tl.float32) * LOG2E
         l_i = tl.zeros([BQ], tl.float32) + 1.0
     else:
         m_i = tl.zeros([BQ], tl.float32) + float("-inf")
@@ -247,12 +268,12 @@ def _attention_fwd_kernel(
         acc, m_i, l_i, q, offs_m, q_seg, q_pos, partial_index_ptr + row.to(tl.int64) * n_kv_blocks, n_partial,
         k_base, v_base, kv_seg_base, kv_pos_base, mask_base, bias_base, stride_bt, stride_bs,
         SCALE, SOFT_CAP, window_left, window_right, T, S, D, DV, BD, BDV, BK,
-        True, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, HAS_BIAS, USE_SOFTCAP, DOT_PRECISION)
+        True, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, HAS_BIAS, USE_SOFTCAP, DOT_PRECISION, EVEN_S)
     acc, m_i, l_i = _fwd_tiles(
         acc, m_i, l_i, q, offs_m, q_seg, q_pos, full_index_ptr + row.to(tl.int64) * n_kv_blocks, n_full,
         k_base, v_base, kv_seg_base, kv_pos_base, mask_base, bias_base, stride_bt, stride_bs,
         SCALE, SOFT_CAP, window_left, window_right, T, S, D, DV, BD, BDV, BK,
-        False, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, HAS_BIAS, USE_SOFTCAP, DOT_PRECISION)
+        False, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, HAS_BIAS, USE_SOFTCAP, DOT_PRECISION, EVEN_S)
 
     # A row that saw no key (and has no sink) has l = 0: its output is 0 and its lse +inf, so that
     # the backward's p = exp2(s - lse) is 0 for it.
@@ -269,14 +290,16 @@ def _bwd_tile(q, k, v, do, lse, delta, offs_m, offs_n, q_seg, q_pos, kv_seg_base
               bias_base, stride_bt, stride_bs, SCALE: tl.constexpr, SOFT_CAP: tl.constexpr, window_left, window_right, T, S,
               MASKED: tl.constexpr, HAS_SEGMENTS: tl.constexpr, IS_CAUSAL: tl.constexpr,
               HAS_WINDOW: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
-              USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
+              USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_S: tl.constexpr):
     """One tile of the backward: ``p``, ``ds`` = dL/d(final logit) and the same before the soft cap."""
     s, t = _logits(q, k, offs_m, offs_n, bias_base, stride_bt, stride_bs, SCALE, SOFT_CAP, T, S,
                    USE_SOFTCAP, HAS_BIAS, DOT_PRECISION)
     visible = _visible(offs_m, offs_n, q_seg, q_pos, kv_seg_base, kv_pos_base, mask_base,
                        window_left, window_right, T, S, MASKED, HAS_SEGMENTS, IS_CAUSAL,
                        HAS_WINDOW, HAS_TOKEN_MASK)
-    p = tl.where(visible, tl.exp2(s * 1.4426950408889634 - lse[:, None]), 0.0)
+    p = tl.exp2(s - lse[:, None])
+    if MASKED or not EVEN_S:  # full tiles of an even length: every pair is visible
+        p = tl.where(visible, p, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
     ds = p * (dp - delta[:, None])  # dL/d(logit after the soft cap): also dL/dbias
     if USE_SOFTCAP:
@@ -312,7 +335,7 @@ def _dkv_tiles(dk, dv, k, v, offs_n, list_ptr, count, i_bh64, i_b, mask_base, bi
                D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BQ: tl.constexpr,
                MASKED: tl.constexpr, HAS_SEGMENTS: tl.constexpr, IS_CAUSAL: tl.constexpr,
                HAS_WINDOW: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
-               USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
+               USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_S: tl.constexpr):
     """Accumulate dK, dV of one key block over ``count`` query blocks read from ``list_ptr``."""
     for i in range(count):
         qb = tl.load(list_ptr + i)
@@ -323,7 +346,7 @@ def _dkv_tiles(dk, dv, k, v, offs_n, list_ptr, count, i_bh64, i_b, mask_base, bi
         p, _, ds = _bwd_tile(q, k, v, do, lse, delta, offs_m, offs_n, q_seg, q_pos, kv_seg_base,
                              kv_pos_base, mask_base, bias_base, stride_bt, stride_bs, SCALE, SOFT_CAP,
                              window_left, window_right, T, S, MASKED, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW,
-                             HAS_TOKEN_MASK, HAS_BIAS, USE_SOFTCAP, DOT_PRECISION)
+                             HAS_TOKEN_MASK, HAS_BIAS, USE_SOFTCAP, DOT_PRECISION, EVEN_S)
         dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PRECISION)
         dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=DOT_PRECISION)
     return dk, dv
@@ -345,7 +368,7 @@ def _attention_dkv_kernel(
     BDV: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,
     HAS_SEGMENTS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_TOKEN_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, EVEN_S: tl.constexpr,
 ):
     i_n = tl.program_id(0)
     i_bkv = tl.program_id(1)  # (batch, key/value head)
@@ -377,13 +400,13 @@ def _attention_dkv_kernel(
             mask_base, bias_base, q_ptr, do_ptr, lse_ptr, delta_ptr, q_seg_ptr, q_pos_ptr, kv_seg_base,
             kv_pos_base, stride_ids_b, stride_bt, stride_bs, SCALE, SOFT_CAP, window_left, window_right, T, S,
             D, DV, BD, BDV, BQ, True, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, HAS_BIAS,
-            USE_SOFTCAP, DOT_PRECISION)
+            USE_SOFTCAP, DOT_PRECISION, EVEN_S)
         dk, dv = _dkv_tiles(
             dk, dv, k, v, offs_n, t_full_index_ptr + col.to(tl.int64) * n_q_blocks, n_full, i_bh64, i_b,
             mask_base, bias_base, q_ptr, do_ptr, lse_ptr, delta_ptr, q_seg_ptr, q_pos_ptr, kv_seg_base,
             kv_pos_base, stride_ids_b, stride_bt, stride_bs, SCALE, SOFT_CAP, window_left, window_right, T, S,
             D, DV, BD, BDV, BQ, False, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, HAS_BIAS,
-            USE_SOFTCAP, DOT_PRECISION)
+            USE_SOFTCAP, DOT_PRECISION, EVEN_S)
     kv_rows = in_kv[:, None]
     tl.store(dk_ptr + i_bkv64 * S * D + offs_n[:, None] * D + offs_d[None, :], (dk * SCALE).to(dk_ptr.dtype.element_ty),
              mask=kv_rows & (offs_d < D)[None, :])
@@ -398,25 +421,22 @@ def _dq_tiles(dq, q, do, lse, delta, offs_m, q_seg, q_pos, list_ptr, count, k_ba
               D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BK: tl.constexpr,
               MASKED: tl.constexpr, HAS_SEGMENTS: tl.constexpr, IS_CAUSAL: tl.constexpr,
               HAS_WINDOW: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
-              USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
+              USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_S: tl.constexpr):
     """Accumulate dQ of one query block over ``count`` key blocks (and write dbias tiles)."""
     offs_d = tl.arange(0, BD)
     offs_dv = tl.arange(0, BDV)
     for i in range(count):
         kb = tl.load(list_ptr + i)
         offs_n = kb * BK + tl.arange(0, BK)
-        in_kv = offs_n < S
-        k = tl.load(k_base + offs_n[:, None] * D + offs_d[None, :],
-                    mask=in_kv[:, None] & (offs_d < D)[None, :], other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * DV + offs_dv[None, :],
-                    mask=in_kv[:, None] & (offs_dv < DV)[None, :], other=0.0)
+        k = _load_tile(k_base, offs_n, offs_d, S, D, EVEN_S & (D == BD))
+        v = _load_tile(v_base, offs_n, offs_dv, S, DV, EVEN_S & (DV == BDV))
         _, ds, d_raw = _bwd_tile(q, k, v, do, lse, delta, offs_m, offs_n, q_seg, q_pos, kv_seg_base,
                                  kv_pos_base, mask_base, bias_base, stride_bt, stride_bs, SCALE, SOFT_CAP,
                                  window_left, window_right, T, S, MASKED, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW,
-                                 HAS_TOKEN_MASK, HAS_BIAS, USE_SOFTCAP, DOT_PRECISION)
+                                 HAS_TOKEN_MASK, HAS_BIAS, USE_SOFTCAP, DOT_PRECISION, EVEN_S)
         if HAS_BIAS:  # dbias is ds itself; [B, H, T, S] fp32, tiles never visited are zeroed outside
             ptrs = dbias_base + offs_m.to(tl.int64)[:, None] * S + offs_n[None, :]
-            tl.store(ptrs, ds, mask=(offs_m < T)[:, None] & in_kv[None, :])
+            tl.store(ptrs, ds, mask=(offs_m < T)[:, None] & (offs_n < S)[None, :])
         dq += tl.dot(d_raw.to(k.dtype), k, input_precision=DOT_PRECISION)
     return dq
 
@@ -437,7 +457,7 @@ def _attention_dq_kernel(
     BDV: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,
     HAS_SEGMENTS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_TOKEN_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, EVEN_S: tl.constexpr,
 ):
     i_m = n_q_blocks - 1 - tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -464,12 +484,12 @@ def _attention_dq_kernel(
                    n_partial, k_base, v_base, kv_seg_base, kv_pos_base, mask_base, bias_base, dbias_base,
                    stride_bt, stride_bs, SCALE, SOFT_CAP, window_left, window_right, T, S, D, DV, BD, BDV, BK,
                    True, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, HAS_BIAS, USE_SOFTCAP,
-                   DOT_PRECISION)
+                   DOT_PRECISION, EVEN_S)
     dq = _dq_tiles(dq, q, do, lse, delta, offs_m, q_seg, q_pos, full_index_ptr + row.to(tl.int64) * n_kv_blocks,
                    n_full, k_base, v_base, kv_seg_base, kv_pos_base, mask_base, bias_base, dbias_base,
                    stride_bt, stride_bs, SCALE, SOFT_CAP, window_left, window_right, T, S, D, DV, BD, BDV, BK,
                    False, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, HAS_BIAS, USE_SOFTCAP,
-                   DOT_PRECISION)
+                   DOT_PRECISION, EVEN_S)
     tl.store(dq_ptr + i_bh64 * T * D + offs_m[:, None] * D + offs_d[None, :], (dq * SCALE).to(dq_ptr.dtype.element_ty),
              mask=(offs_m < T)[:, None] & (offs_d < D)[None, :])
 
@@ -542,6 +562,7 @@ def _common(static: _Static, q, k, v, bias, rule, mask: BlockMask, blocks: Block
         HAS_TOKEN_MASK=static.has_token_mask, HAS_BIAS=bias is not None,
         USE_SOFTCAP=static.soft_cap is not None,
         DOT_PRECISION="ieee" if q.dtype == jnp.float32 else "tf32",
+        EVEN_S=S % blocks.block_kv == 0,
         num_warps=blocks.num_warps, num_stages=blocks.num_stages,
     )
     rule_args = [q_seg, kv_seg, q_pos, kv_pos, token_mask, bias_arg]
@@ -567,7 +588,7 @@ def _bwd_dkv(static: _Static, q, k, v, do, lse, delta, bias, rule, mask: BlockMa
     """dK, dV (summed over each group of query heads), in the key's / value's dtype."""
     B, H_kv, S, D = k.shape
     DV = v.shape[3]
-    rule_args, scalars, meta = _common(static, q, k, v, bias, rule, mask, static.bwd)
+    rule_args, scalars, meta = _common(static, q, k, v, bias, rule, mask, static.dkv)
     return triton_call(
         q, k, v, do, lse, delta, *rule_args, mask.t_partial_count, mask.t_partial_index,
         mask.t_full_count, mask.t_full_index, *scalars,
@@ -581,7 +602,7 @@ def _bwd_dq(static: _Static, q, k, v, do, lse, delta, bias, rule, mask: BlockMas
     """dQ in the query's dtype, and dL/d(logits) ``[B, Hq, T, S]`` fp32 when there is a bias."""
     B, H, T, D = q.shape
     S = k.shape[2]
-    rule_args, scalars, meta = _common(static, q, k, v, bias, rule, mask, static.bwd)
+    rule_args, scalars, meta = _common(static, q, k, v, bias, rule, mask, static.dq)
     dbias_shape = (B, H, T, S) if bias is not None else (1,)
     return triton_call(
         q, k, v, do, lse, delta, *rule_args, mask.partial_count, mask.partial_index, mask.full_count,
@@ -605,27 +626,29 @@ def _visited_tokens(mask: BlockMask) -> Array:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(static, q, k, v, sinks, bias, rule, fwd_mask, bwd_mask):
+def _attention(static, q, k, v, sinks, bias, rule, fwd_mask, bwd_masks):
     o, _ = vmap_sequentially(functools.partial(_fwd, static))(q, k, v, sinks, bias, rule, fwd_mask)
     return o
 
 
-def _attention_fwd(static, q, k, v, sinks, bias, rule, fwd_mask, bwd_mask):
+def _attention_fwd(static, q, k, v, sinks, bias, rule, fwd_mask, bwd_masks):
     o, lse = vmap_sequentially(functools.partial(_fwd, static))(q, k, v, sinks, bias, rule, fwd_mask)
-    return o, (q, k, v, sinks, bias, rule, bwd_mask, o, lse)
+    return o, (q, k, v, sinks, bias, rule, bwd_masks, o, lse)
 
 
 def _attention_bwd(static, residuals, do):
-    q, k, v, sinks, bias, rule, mask, o, lse = residuals
+    q, k, v, sinks, bias, rule, (dkv_mask, dq_mask), o, lse = residuals
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)  # rowsum(dO * O)
-    dk, dv = vmap_sequentially(functools.partial(_bwd_dkv, static))(q, k, v, do, lse, delta, bias, rule, mask)
-    dq, dlogits = vmap_sequentially(functools.partial(_bwd_dq, static))(q, k, v, do, lse, delta, bias, rule, mask)
+    dk, dv = vmap_sequentially(functools.partial(_bwd_dkv, static))(
+        q, k, v, do, lse, delta, bias, rule, dkv_mask)
+    dq, dlogits = vmap_sequentially(functools.partial(_bwd_dq, static))(
+        q, k, v, do, lse, delta, bias, rule, dq_mask)
     dsinks = dbias = None
     if sinks is not None:  # dL/dsink_h = -sum_i exp(sink_h - lse_i) delta_i
-        p_sink = jnp.exp2(sinks.astype(jnp.float32)[:, None] * LOG2E - lse)
+        p_sink = jnp.exp2(sinks.astype(jnp.float32)[:, None] * LOG2E.value - lse)
         dsinks = (-jnp.sum(p_sink * delta, axis=(0, 2))).astype(sinks.dtype)
     if bias is not None:  # the public function made bias 4-D; sum over its broadcast axes
-        dlogits = jnp.where(_visited_tokens(mask), dlogits, 0.0)  # tiles never visited: never written
+        dlogits = jnp.where(_visited_tokens(dq_mask), dlogits, 0.0)  # tiles never visited: never written
         axes = tuple(i for i in range(4) if bias.shape[i] == 1 and dlogits.shape[i] != 1)
         dbias = jnp.sum(dlogits, axis=axes, keepdims=True).astype(bias.dtype)
     return dq, dk, dv, dsinks, dbias, None, None, None
@@ -782,16 +805,21 @@ def reference(query: Array, key: Array, value: Array, q_segment_ids: Array | Non
     return _reference_spec(query, key, value, softmax_aux, bias, spec, scale, cap)
 
 
-def _triton_supported(query, value, fwd: BlockSizes, bwd: BlockSizes) -> str | None:
+def _triton_supported(query, value, *configs: BlockSizes) -> str | None:
     """Why the Triton kernels cannot run this call (``None`` if they can)."""
     if query.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
         return f"dtype {query.dtype} (the kernels take float32, bfloat16, float16)"
     if max(query.shape[3], value.shape[3]) > 256:
         return f"head dims {query.shape[3]}/{value.shape[3]} (the kernels take up to 256)"
-    for blocks in (fwd, bwd):
+    for blocks in configs:
         if min(blocks.block_q, blocks.block_kv) < 16:
             return f"block sizes {blocks.block_q}x{blocks.block_kv} (tl.dot needs at least 16)"
     return None
+
+
+def _pair(blocks: BlockSizes | tuple[BlockSizes, BlockSizes]) -> tuple[BlockSizes, BlockSizes]:
+    """The backward's (dK/dV, dQ) kernel configs: one BlockSizes serves both."""
+    return (blocks, blocks) if isinstance(blocks, BlockSizes) else tuple(blocks)
 
 
 def _fit(blocks: BlockSizes, spec: _MaskSpec) -> BlockSizes:
@@ -811,10 +839,13 @@ def _run(static: _Static, layout_block, combine, query, key, value, softmax_aux,
             return prebuilt.with_blocks(blocks.block_q, blocks.block_kv)
         return _build(rule, layout, layout_block, combine, T, S, blocks.block_q, blocks.block_kv)
 
-    fwd_mask = mask_at(static.fwd)
-    same = (static.fwd.block_q, static.fwd.block_kv) == (static.bwd.block_q, static.bwd.block_kv)
-    bwd_mask = fwd_mask if same else mask_at(static.bwd)
-    return _attention(static, query, key, value, softmax_aux, bias, rule, fwd_mask, bwd_mask)
+    masks = {}  # one mask per distinct tile shape (the backward's kernels may use other sizes)
+    for blocks in (static.fwd, static.dkv, static.dq):
+        tile = (blocks.block_q, blocks.block_kv)
+        if tile not in masks:
+            masks[tile] = mask_at(blocks)
+    fwd_mask, dkv_mask, dq_mask = (masks[(b.block_q, b.block_kv)] for b in (static.fwd, static.dkv, static.dq))
+    return _attention(static, query, key, value, softmax_aux, bias, rule, fwd_mask, (dkv_mask, dq_mask))
 
 
 def blocksparse_attention(
@@ -836,7 +867,7 @@ def blocksparse_attention(
     chunk_size: int | tuple[int, int] | None = None,
     causal: bool = True,
     fwd_blocks: BlockSizes | None = None,
-    bwd_blocks: BlockSizes | None = None,
+    bwd_blocks: BlockSizes | tuple[BlockSizes, BlockSizes] | None = None,
     impl: str = "auto",
 ) -> Array:
     """Attention that visits only the tiles its mask lists; differentiable in query, key, value,
@@ -859,7 +890,9 @@ def blocksparse_attention(
         sliding_window: ``W`` or ``(left, right)``: visible iff ``q_pos - left <= kv_pos <= q_pos + right``.
         chunk_size: tile size of a boolean ``qkv_layouts`` (int or ``(q, kv)``).
         causal: ``q_pos >= kv_pos`` (default True, as the seed).
-        fwd_blocks, bwd_blocks: :class:`BlockSizes` for the forward and for the backward kernels.
+        fwd_blocks: :class:`BlockSizes` of the forward (``BlockSizes.forward`` by default).
+        bwd_blocks: of the backward: one :class:`BlockSizes` for both of its kernels, or a pair
+            ``(dkv, dq)``, one per kernel (``BlockSizes.backward`` by default).
         impl: ``"triton"``, ``"xla"`` (the dense :func:`reference`) or ``"auto"`` (Triton where the
             kernels support the call, else XLA).
 
@@ -868,23 +901,26 @@ def blocksparse_attention(
     """
     if impl not in ("auto", "triton", "xla"):
         raise ValueError(f"impl must be 'auto', 'triton' or 'xla', got {impl!r}")
-    for name, blocks in (("fwd_blocks", fwd_blocks), ("bwd_blocks", bwd_blocks)):
-        if blocks is not None and not isinstance(blocks, BlockSizes):
-            raise ValueError(f"{name} must be a BlockSizes, got {type(blocks).__name__}")
+    if fwd_blocks is not None and not isinstance(fwd_blocks, BlockSizes):
+        raise ValueError(f"fwd_blocks must be a BlockSizes, got {type(fwd_blocks).__name__}")
+    if bwd_blocks is not None and not isinstance(bwd_blocks, BlockSizes) and not (
+            isinstance(bwd_blocks, tuple) and len(bwd_blocks) == 2
+            and all(isinstance(b, BlockSizes) for b in bwd_blocks)):
+        raise ValueError(f"bwd_blocks must be a BlockSizes or a pair (dkv, dq) of them, got {bwd_blocks!r}")
     D = query.shape[-1] if hasattr(query, "shape") and len(query.shape) == 4 else 0
     dtype = getattr(query, "dtype", jnp.float32)
     fwd = fwd_blocks or BlockSizes.forward(D, dtype)
-    bwd = bwd_blocks or BlockSizes.backward(D, dtype)
+    dkv, dq = _pair(bwd_blocks or BlockSizes.backward(D, dtype))
     default_block = (128, 128)
     spec, scale, bias, cap = _prepare(query, key, value, q_segment_ids, kv_segment_ids, q_positions,
                                       kv_positions, softmax_aux, bias, attention_mask, logits_soft_cap,
                                       qkv_layouts, softmax_scale, mask_builder, sliding_window, chunk_size,
                                       causal, default_block)
-    fwd, bwd = _fit(fwd, spec), _fit(bwd, spec)
-    for blocks in (fwd, bwd):
+    fwd, dkv, dq = _fit(fwd, spec), _fit(dkv, spec), _fit(dq, spec)
+    for blocks in (fwd, dkv, dq):
         _check_block("block_q", blocks.block_q)
         _check_block("block_kv", blocks.block_kv)
-    unsupported = _triton_supported(query, value, fwd, bwd)
+    unsupported = _triton_supported(query, value, fwd, dkv, dq)
     if impl == "triton" and unsupported:
         raise ValueError(f"impl='triton' cannot run this call: {unsupported}")
     if impl == "xla" or (impl == "auto" and unsupported):
@@ -895,7 +931,7 @@ def blocksparse_attention(
         return jnp.zeros((B, H, T, DV), query.dtype)
     rule = spec.rule
     static = _Static(
-        scale=scale, soft_cap=cap, fwd=fwd, bwd=bwd,
+        scale=scale, soft_cap=cap, fwd=fwd, dkv=dkv, dq=dq,
         causal=bool(rule is not None and rule.causal), window=None if rule is None else rule.window,
         has_segments=rule is not None and rule.q_segment_ids is not None,
         has_token_mask=rule is not None and rule.attention_mask is not None,

@@ -225,6 +225,18 @@ def test_against_float64_reference(case, rng):
     check(rng, arrays, options, dtype, numpy_check=numpy_check)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_backward_kernels_at_their_own_sizes(dtype, rng):
+    """``bwd_blocks=(dkv, dq)``: each backward kernel walks a mask built at its own tiles. Lengths
+    that are multiples of every tile (the kernels' unmasked fast path for full tiles), with
+    documents, a soft cap, a bias and sinks, every gradient checked."""
+    arrays = make_inputs(rng, B=2, T=64, H=4, H_kv=2, D=32, sinks=True, q_scale=6.0,
+                         bias_shape=(1, 4, 64, 64))
+    options = dict(documents(rng, 2, 64), logits_soft_cap=4.0)
+    check(rng, arrays, options, dtype, fwd=BlockSizes(32, 32),
+          bwd=(BlockSizes(16, 32), BlockSizes(32, 16)))
+
+
 @pytest.mark.parametrize("sinks", [False, True])
 def test_fully_masked_rows(sinks, rng):
     """Rows with no visible key: output exactly 0, gradients finite and 0 for those rows."""
@@ -435,6 +447,8 @@ def bad_inputs():
         ("chunk_size", dict(qkv_layouts=np.ones((1, 1), bool), chunk_size=24)),
         ("fwd_blocks", dict(fwd_blocks=(16, 16))),
         ("block_q", dict(fwd_blocks=BlockSizes(24, 16))),
+        ("bwd_blocks", dict(bwd_blocks=(BlockSizes(16, 16),) * 3)),
+        ("block_kv", dict(bwd_blocks=(BlockSizes(16, 16), BlockSizes(16, 48)))),
         ("qkv_layouts or mask_builder", dict(qkv_layouts=np.ones((1, 1), bool), mask_builder=lambda: None)),
     ], dict(query=q, key=k, value=v)
 
