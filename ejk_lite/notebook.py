@@ -1,0 +1,73 @@
+"""Helpers for the book's notebooks: figures with live controls, and the recorded GPU results.
+
+Neither is needed to use the kernels; both are here so that a chapter downloaded from the built
+book and opened on a hosted notebook (where only the installed package is at hand) runs as it
+does in a clone.
+
+**Why ``live_figure`` and not ``ipywidgets.interact``.** ``interact`` draws into an ``Output``
+widget. A notebook runner (nbclient: nbmake, the book build) mirrors an ``Output`` widget's
+captured outputs back to the kernel with messages on the *shell* channel, the very socket on
+which it is waiting for the cell's ``execute_reply``; sending there can swallow the wake-up for
+the reply, which is then noticed only when the cell's timeout runs out (nbclient issue #312).
+Measured on the H100: a cell that displays an ``Output`` widget and draws into it finished in
+0.6 s and the runner went on 150 s later, exactly its cell timeout; with nbmake's 500 s timeout
+the *Chunked cumsum* chapter "hung". ``live_figure`` uses no ``Output`` widget: the figure is an
+ordinary output (so it is on the static page too) displayed with a ``display_id``, and the
+controls, when moved in a live notebook, redraw it in place (``update_display_data``). Nothing
+is sent on the shell channel while a runner executes the cell. The controls are displayed with
+the widget view only, so the static page, which has no kernel to run them, omits them (the
+book's ``_config.yml`` drops widget views from HTML) instead of showing dead sliders.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+__all__ = ["live_figure", "recorded_results"]
+
+
+def live_figure(draw: Callable[..., Any], **controls: Any):
+    """Draw ``draw(**values)`` now, and redraw it in place whenever a control changes.
+
+    ``draw`` returns a matplotlib figure. Each keyword is an ipywidgets control (its ``value``
+    is passed to ``draw`` under that name) or a plain value (passed as is). Returns the
+    container of the controls.
+    """
+    import ipywidgets as widgets
+    import matplotlib.pyplot as plt
+    from IPython.display import display
+
+    def values():
+        return {name: getattr(c, "value", c) for name, c in controls.items()}
+
+    def figure():
+        fig = draw(**values())
+        plt.close(fig)  # shown once, by the display below, not again at the end of the cell
+        return fig
+
+    handle = display(figure(), display_id=True)
+    live = [c for c in controls.values() if isinstance(c, widgets.Widget)]
+    for control in live:
+        control.observe(lambda _: handle.update(figure()), names="value")
+    box = widgets.HBox(live)
+    # The widget view only (no text/plain fallback): a live notebook shows the controls; the
+    # static page, where nothing could run them, shows nothing.
+    display({"application/vnd.jupyter.widget-view+json": {
+        "model_id": box.model_id, "version_major": 2, "version_minor": 0}}, raw=True)
+    return box
+
+
+def recorded_results(name: str | None = None) -> dict[str, dict]:
+    """The GPU measurements in ``bench/results/*.json``, as ``{file stem: contents}``.
+
+    Looked for in ``bench/results`` of the working directory or any folder above it (a clone:
+    the chapters run in ``book/``). ``name`` picks one file. Returns ``{}`` when there are none.
+    """
+    for folder in [Path.cwd(), *Path.cwd().parents]:
+        results = folder / "bench" / "results"
+        if results.is_dir():
+            paths = sorted(results.glob(f"{name or '*'}.json"))
+            return {p.stem: json.loads(p.read_text()) for p in paths}
+    return {}
