@@ -28,35 +28,34 @@ from typing import Any, Callable
 __all__ = ["live_figure", "recorded_results"]
 
 
-def live_figure(draw: Callable[..., Any], **controls: Any):
+def live_figure(draw: Callable[..., Any], placeholder: str | None = None,
+                **controls: Any) -> None:
     """Draw ``draw(**values)`` now, and redraw it in place whenever a control changes.
 
     ``draw`` returns a matplotlib figure. Each keyword is an ipywidgets control (its ``value``
-    is passed to ``draw`` under that name) or a plain value (passed as is). Returns the
-    container of the controls.
+    is passed to ``draw`` under that name) or a plain value (passed as is). With
+    ``placeholder``, that sentence stands where the figure will be until a control moves
+    (for a figure whose first setting the page already shows elsewhere).
     """
     import ipywidgets as widgets
     import matplotlib.pyplot as plt
-    from IPython.display import display
-
-    def values():
-        return {name: getattr(c, "value", c) for name, c in controls.items()}
+    from IPython.display import Markdown, display
 
     def figure():
-        fig = draw(**values())
+        fig = draw(**{name: getattr(c, "value", c) for name, c in controls.items()})
         plt.close(fig)  # shown once, by the display below, not again at the end of the cell
         return fig
 
-    handle = display(figure(), display_id=True)
+    handle = display(Markdown(f"*{placeholder}*") if placeholder else figure(),
+                     display_id=True)
     live = [c for c in controls.values() if isinstance(c, widgets.Widget)]
     for control in live:
         control.observe(lambda _: handle.update(figure()), names="value")
-    box = widgets.HBox(live)
     # The widget view only (no text/plain fallback): a live notebook shows the controls; the
     # static page, where nothing could run them, shows nothing.
     display({"application/vnd.jupyter.widget-view+json": {
-        "model_id": box.model_id, "version_major": 2, "version_minor": 0}}, raw=True)
-    return box
+        "model_id": widgets.HBox(live).model_id, "version_major": 2, "version_minor": 0}},
+        raw=True)
 
 
 def recorded_results(name: str | None = None) -> dict[str, dict]:

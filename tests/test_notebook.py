@@ -1,0 +1,103 @@
+"""ejk_lite.notebook: live figures in a real kernel, and the recorded results.
+
+``live_figure`` is checked the way a notebook front end uses it: a kernel runs the cell, then a
+control is moved by the comm message a browser would send, and the figure must be redrawn in
+place (an ``update_display_data`` for the same display id). Nothing may travel on the shell
+channel from the runner during the cell (no ``Output`` widget): that is what made nbclient stall
+(see the module's docstring).
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+
+import pytest
+
+jupyter_client = pytest.importorskip("jupyter_client")
+
+CELL = """
+import matplotlib
+matplotlib.use("module://matplotlib_inline.backend_inline")
+import matplotlib.pyplot as plt
+from ipywidgets import IntSlider
+from ejk_lite.notebook import live_figure
+
+n = IntSlider(value=3, min=1, max=9)
+
+
+def draw(n, colour):
+    fig, ax = plt.subplots(figsize=(2, 1))
+    ax.plot(range(n), color=colour)
+    return fig
+
+
+live_figure(draw, n=n, colour="red")
+print("slider", n.model_id)
+"""
+
+
+def messages_until_idle(kc, parent_id, timeout=60):
+    found = []
+    while True:
+        try:
+            msg = kc.get_iopub_msg(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"no idle status within {timeout} s; got {found}")
+        if msg["parent_header"].get("msg_id") != parent_id:
+            continue
+        found.append(msg)
+        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            return found
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    km, kc = jupyter_client.manager.start_new_kernel(kernel_name="python3",
+                                                     startup_timeout=120)
+    yield kc
+    kc.stop_channels()
+    km.shutdown_kernel(now=True)
+
+
+def test_live_figure_draws_then_redraws_in_place(kernel):
+    kc = kernel
+    msg_id = kc.execute(CELL)
+    found = messages_until_idle(kc, msg_id)
+    reply = kc.get_shell_msg(timeout=60)
+    assert reply["content"]["status"] == "ok", reply["content"]
+    kinds = [(m["msg_type"], sorted(m["content"].get("data", {}))) for m in found]
+    shown = [m for m in found if m["msg_type"] == "display_data"]
+    # First the figure, with a display id; then the controls, as a widget view only.
+    assert "image/png" in shown[0]["content"]["data"], kinds
+    display_id = shown[0]["content"]["transient"]["display_id"]
+    assert list(shown[1]["content"]["data"]) == [
+        "application/vnd.jupyter.widget-view+json"], kinds
+    assert not [m for m in found if m["msg_type"] == "comm_msg"
+                and "msg_id" in m["content"]["data"].get("state", {})], \
+        "an Output widget captured the cell's output"
+    text = "".join(m["content"]["text"] for m in found if m["msg_type"] == "stream")
+    slider = text.split("slider ")[1].split()[0]
+
+    # Move the slider as a browser would: a comm message with the new state.
+    update = kc.session.msg("comm_msg", content={
+        "comm_id": slider, "data": {"method": "update", "state": {"value": 7},
+                                    "buffer_paths": []}})
+    kc.shell_channel.send(update)
+    redrawn = messages_until_idle(kc, update["header"]["msg_id"])
+    updates = [m for m in redrawn if m["msg_type"] == "update_display_data"]
+    assert len(updates) == 1, [m["msg_type"] for m in redrawn]
+    assert updates[0]["content"]["transient"]["display_id"] == display_id
+    assert updates[0]["content"]["data"]["image/png"] != shown[0]["content"]["data"]["image/png"]
+
+
+def test_recorded_results_reads_bench_results(tmp_path, monkeypatch):
+    from ejk_lite.notebook import recorded_results
+
+    (tmp_path / "bench" / "results").mkdir(parents=True)
+    (tmp_path / "bench" / "results" / "op.json").write_text(json.dumps({"rows": [1]}))
+    (tmp_path / "book").mkdir()
+    monkeypatch.chdir(tmp_path / "book")
+    assert recorded_results() == {"op": {"rows": [1]}}
+    assert recorded_results("op") == {"op": {"rows": [1]}}
+    assert recorded_results("other") == {}
