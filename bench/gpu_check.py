@@ -7,6 +7,11 @@
     python bench/gpu_check.py benches --out $OUT --only cumsum  # on the GPU: one call per op
     python bench/gpu_check.py notebook book/<chapter>.ipynb --record <file>.json  # one chapter
 
+A trial here, without a GPU (Triton's interpreter; ``--workers 0`` where pytest-xdist is missing):
+
+    python bench/gpu_check.py check --out /tmp/check --only packed_sequences,introduction
+        --tests=tests/test_packing.py --workers 2 --fresh=
+
 * ``prepare`` writes ``bench/results/.commit`` (``git rev-parse HEAD`` and any uncommitted changes
   to the files the check runs: the GPU copy of the tree has no ``.git``), builds an ``ejk_lite``
   wheel into ``.whl/`` and adds ``absl-py`` (jax-triton's dependency) there, for the fresh notebook.
@@ -26,8 +31,9 @@
   device, versions, the test counts, each chapter (seconds, its slowest cells when it took over a
   minute, the error), the fresh notebook, ``wall_seconds`` and ``all_passed`` (every test, chapter
   and the fresh notebook ran and passed). Logs go beside it.
-* ``benches`` runs ``bench/<op>.py --out <out>/bench`` for each op of ``--only`` (each its own call:
-  they time, so they run alone); their record is that JSON, ``bench/results/<op>.json`` once copied.
+* ``benches`` runs ``bench/<op>.py --out <out>/bench`` for the op of ``--only``, one call per op
+  (they time, so they run alone, and the longest takes minutes); their record is that JSON,
+  ``bench/results/<op>.json`` once copied. The check's ``all_passed`` does not depend on them.
 * ``notebook`` runs one notebook with nbclient in a kernel of its own (this interpreter, reached
   over IPC sockets: eight kernels started at once over TCP once raced for a port, ``ZMQError:
   Address already in use``), keeping ``--record`` up to date cell by cell; it prints each cell as
