@@ -1,13 +1,11 @@
 #!/usr/bin/env bash
-# The recorded GPU check, one stage per call (each fits the GPU machine's 10-minute limit):
+# The recorded GPU check in one call (at most 10 minutes), and the benchmarks, one call per op:
 #
-#   here, first:      .venv/bin/python bench/gpu_check.py prepare      # commit id + ejk_lite wheel
-#                     bash ../shared/gpu/fetch_wheels.sh                # jax-triton, fla-core, nbmake...
-#   on the GPU:       bash bench/run_on_gpu.sh tests    --out $OUT
-#                     bash bench/run_on_gpu.sh chapters --out $OUT
-#                     bash bench/run_on_gpu.sh benches  --out $OUT [--only cumsum,mean_pooling]
-#                     bash bench/run_on_gpu.sh fresh    --out $OUT      # last: it pip-installs
-#   here, after:      .venv/bin/python bench/gpu_check.py merge <the fetched folders>
+#   here, first:   .venv/bin/python bench/gpu_check.py prepare      # commit id + ejk_lite wheel
+#                  bash ../shared/gpu/fetch_wheels.sh                # jax-triton, nbclient, ...
+#   on the GPU:    bash bench/run_on_gpu.sh check --out $OUT         # -> $OUT/gpu_check.json
+#                  bash bench/run_on_gpu.sh benches --out $OUT --only cumsum  # -> $OUT/bench/
+#   here, after:   copy $OUT/gpu_check.json (and bench/<op>.json) into bench/results/
 #
 # The wheels in .whl/ (carried along: git ignores them) are installed beside the system packages,
 # into /tmp/site, unless that was done already. Everything else is bench/gpu_check.py.
