@@ -58,15 +58,74 @@ def live_figure(draw: Callable[..., Any], placeholder: str | None = None,
         raw=True)
 
 
+class RecordedResults(dict):
+    """What :func:`recorded_results` returns: ``{file stem: contents}``, and ``source``, where
+    they were read or fetched from, and ``reason``, one sentence on why there are none ("" when
+    there are), for a chapter to print instead of empty tables."""
+
+    source: str = ""
+    reason: str = ""
+
+
+# The placeholder of _config.yml's repository URL (tools/sync_setup_cell.py): nothing to fetch.
+PLACEHOLDER = "YOUR-ACCOUNT"
+FETCH_TIMEOUT = 10  # seconds per file
+
+
 def recorded_results(name: str | None = None) -> dict[str, dict]:
     """The GPU measurements in ``bench/results/*.json``, as ``{file stem: contents}``.
 
     Looked for in ``bench/results`` of the working directory or any folder above it (a clone:
-    the chapters run in ``book/``). ``name`` picks one file. Returns ``{}`` when there are none.
+    the chapters run in ``book/``). Where there is none (a chapter downloaded on its own), the
+    files are fetched from the repository whose URL the chapter's setup cell exports as
+    ``EJK_LITE_REPOSITORY`` (from ``_config.yml``): on GitHub, its default branch's raw files,
+    the ones ``bench/results/index.json`` lists, each within ``FETCH_TIMEOUT`` seconds. ``name``
+    picks one file. Returns ``{}`` when there are none: the result (a :class:`RecordedResults`)
+    then says why in its ``reason``.
     """
+    found = RecordedResults()
     for folder in [Path.cwd(), *Path.cwd().parents]:
         results = folder / "bench" / "results"
         if results.is_dir():
-            paths = sorted(results.glob(f"{name or '*'}.json"))
-            return {p.stem: json.loads(p.read_text()) for p in paths}
-    return {}
+            paths = [p for p in sorted(results.glob(f"{name or '*'}.json")) if p.stem != "index"]
+            found.update({p.stem: json.loads(p.read_text()) for p in paths})
+            found.source = str(results)
+            if not found:
+                found.reason = f"No {name or 'results'} file in {results}."
+            return found
+    return _fetch_results(name, found)
+
+
+def _fetch_results(name: str | None, found: RecordedResults) -> RecordedResults:
+    import os
+    import re
+    import urllib.request
+
+    url = os.environ.get("EJK_LITE_REPOSITORY", "")
+    github = re.fullmatch(r"https://github\.com/([\w.-]+)/([\w.-]+?)(?:\.git)?/?", url)
+    here = "There is no bench/results folder here"
+    if not url:
+        found.reason = (f"{here}, and no repository to fetch it from (EJK_LITE_REPOSITORY, "
+                        "which the chapter's setup cell sets, is not set).")
+    elif PLACEHOLDER in url:
+        found.reason = (f"{here}, and the book's repository URL is still the placeholder {url}"
+                        ": run the chapter in a clone, or set EJK_LITE_REPOSITORY to the "
+                        "repository that holds bench/results.")
+    elif github is None:
+        found.reason = f"{here}, and {url} is not a GitHub repository to fetch it from."
+    else:
+        base = ("https://raw.githubusercontent.com/{}/{}/HEAD/bench/results/"
+                .format(*github.groups()))
+
+        def get(file):
+            with urllib.request.urlopen(base + file, timeout=FETCH_TIMEOUT) as response:
+                return json.loads(response.read())
+
+        try:
+            for stem in [name] if name else get("index.json")["names"]:
+                found[stem] = get(f"{stem}.json")
+            found.source = base
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            found.clear()
+            found.reason = f"{here}, and fetching it from {base} failed ({error})."
+    return found

@@ -5,10 +5,12 @@
   scroll bar;
 * no notebook carries outputs or execution counts: notebooks are committed clean, and the book
   build and nbmake execute them afresh;
-* every chapter opens with the current setup cell for hosted notebooks (``python
-  tools/sync_setup_cell.py`` inserts or refreshes it).
+* every chapter opens with the current setup cell for hosted notebooks, holding the repository
+  URL of ``_config.yml``; the ``git clone`` commands of ``README.md`` and ``book/index.md`` clone
+  that URL; ``bench/results/index.json`` lists the results files (``python
+  tools/sync_setup_cell.py`` writes all of these).
 
-    python tools/check_book.py [book/x.ipynb ...]     # default: every book/*.ipynb
+    python tools/check_book.py [book/x.ipynb ...]     # default: every book/*.ipynb, and the rest
 
 Exit status 1, with one line per problem, if any check fails.
 """
@@ -41,20 +43,24 @@ def problems(path: Path) -> list[str]:
     return found
 
 
-def setup_cell_problems(path: Path) -> list[str]:
+def sync_problems(paths: list[Path] | None) -> list[str]:
+    """What ``tools/sync_setup_cell.py`` would change (``paths``: these chapters only)."""
     sys.path.insert(0, str(ROOT / "tools"))
-    from sync_setup_cell import dump, synced
+    from sync_setup_cell import derived
 
-    text = path.read_text()
-    if dump(synced(json.loads(text), path.stem)) != text:
-        return [f"{path.name}: setup cell missing or out of date "
-                f"(run python tools/sync_setup_cell.py {path.name})"]
-    return []
+    why = {".ipynb": "setup cell missing or out of date",
+           ".md": "a `git clone` URL is not _config.yml's repository url",
+           ".json": "does not list the files of bench/results"}
+    return [f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}: "
+            f"{why[path.suffix]} (run python tools/sync_setup_cell.py)"
+            for path, text in derived(paths).items()
+            if not path.exists() or path.read_text() != text]
 
 
 def main() -> int:
-    paths = [Path(p).resolve() for p in sys.argv[1:]] or sorted((ROOT / "book").glob("*.ipynb"))
-    found = [p for path in paths for p in problems(path) + setup_cell_problems(path)]
+    chosen = [Path(p).resolve() for p in sys.argv[1:]]
+    paths = chosen or sorted((ROOT / "book").glob("*.ipynb"))
+    found = [p for path in paths for p in problems(path)] + sync_problems(chosen or None)
     for line in found:
         print(line)
     print(f"check_book: {len(paths)} notebook(s), {len(found)} problem(s)")
