@@ -1,4 +1,4 @@
-"""ejk_lite.notebook: live figures in a real kernel, and the recorded results.
+"""ejk_lite.notebook.live_figure in a real kernel (recorded_results: test_recorded_results.py).
 
 ``live_figure`` is checked the way a notebook front end uses it: a kernel runs the cell, then a
 control is moved by the comm message a browser would send, and the figure must be redrawn in
@@ -9,7 +9,6 @@ channel from the runner during the cell (no ``Output`` widget): that is what mad
 
 from __future__ import annotations
 
-import json
 import queue
 
 import pytest
@@ -90,14 +89,3 @@ def test_live_figure_draws_then_redraws_in_place(kernel):
     assert updates[0]["content"]["transient"]["display_id"] == display_id
     assert updates[0]["content"]["data"]["image/png"] != shown[0]["content"]["data"]["image/png"]
 
-
-def test_recorded_results_reads_bench_results(tmp_path, monkeypatch):
-    from ejk_lite.notebook import recorded_results
-
-    (tmp_path / "bench" / "results").mkdir(parents=True)
-    (tmp_path / "bench" / "results" / "op.json").write_text(json.dumps({"rows": [1]}))
-    (tmp_path / "book").mkdir()
-    monkeypatch.chdir(tmp_path / "book")
-    assert recorded_results() == {"op": {"rows": [1]}}
-    assert recorded_results("op") == {"op": {"rows": [1]}}
-    assert recorded_results("other") == {}

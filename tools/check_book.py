@@ -3,6 +3,8 @@
 * every line of every code cell is at most 90 characters: the built page's code column shows
   about that many, and a longer line hides its end (a mask, an ``other=``, a cast) behind a
   scroll bar;
+* no code cell draws into an ipywidgets ``Output`` widget (``interact`` and friends): see
+  ``OUTPUT_WIDGET`` below;
 * no notebook carries outputs or execution counts: notebooks are committed clean, and the book
   build and nbmake execute them afresh;
 * every chapter opens with the current setup cell for hosted notebooks, holding the repository
@@ -18,11 +20,16 @@ Exit status 1, with one line per problem, if any check fails.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_LINE = 90
+# ipywidgets' interact, interactive, interactive_output and Output draw into an Output widget,
+# whose mirrored state made nbclient (nbmake, the book build) wait out a cell's whole timeout
+# on the H100: the live figures go through ejk_lite.notebook.live_figure instead.
+OUTPUT_WIDGET = re.compile(r"\b(interact|interactive|interactive_output|Output)\(")
 
 
 def problems(path: Path) -> list[str]:
@@ -37,6 +44,9 @@ def problems(path: Path) -> list[str]:
         if cell.get("execution_count") is not None:
             found.append(f"{where}: has an execution count (clear outputs before committing)")
         for number, line in enumerate("".join(cell["source"]).splitlines(), 1):
+            if OUTPUT_WIDGET.search(line):
+                found.append(f"{where} line {number}: an Output widget ({line.strip()[:40]}): "
+                             "use ejk_lite.notebook.live_figure, see its module docstring")
             if len(line) > MAX_LINE:
                 found.append(f"{where} line {number}: {len(line)} > {MAX_LINE} characters: "
                              f"{line.strip()[:60]}...")
