@@ -1,0 +1,119 @@
+"""float32 block-sparse attention: cold start and warm time of each ``BlockSizes.float32_dot``.
+
+float32 is what people try first, and with plain FMA dots (``"ieee"``) its first call was slow to
+compile (an H100 user measured 22 s for the forward and 92 s for its gradient) and its warm time
+far behind bfloat16. ``"tf32x3"`` (three TF32 tensor-core products) keeps float32 accuracy.
+For each setting a fresh process (empty Triton cache, no JAX compilation cache) times:
+
+* ``cold``: the wall time of the first forward call, then of the first gradient call (whose
+  forward kernel is already compiled), and their sum: what a new user waits for;
+* ``warm``: min / median / max of the forward and of the gradient (10 samples, CUDA events);
+* the relative error of the output and of dq, dk, dv against the float64 reference; the run
+  fails (exit 1) past 1e-5 (forward) or 1e-4 (gradients).
+
+    python bench/attention_fp32.py --out bench/results     # on a GPU; --quick: tiny, on a CPU
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import common
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import ejk_lite
+from ejk_lite import BlockSizes, blocksparse_attention
+from ejk_lite.attention import reference
+
+SETTINGS = ("tf32x3", "ieee")
+SHAPE = dict(B=2, Hq=16, Hkv=4, T=2000, D=128)  # the shape of the user's report
+QUICK = dict(B=1, Hq=2, Hkv=1, T=40, D=32)
+TOLERANCE = {"forward": 1e-5, "gradient": 1e-4}
+
+
+def measure(setting: str, shape: dict) -> dict:
+    """In this (fresh) process: cold and warm times and errors of one ``float32_dot``."""
+    B, Hq, Hkv, T, D = (shape[k] for k in ("B", "Hq", "Hkv", "T", "D"))
+    fwd_blocks = BlockSizes.forward(D, jnp.float32)
+    bwd_blocks = BlockSizes.backward(D, jnp.float32)
+    fwd_blocks = BlockSizes(**{**fwd_blocks.__dict__, "float32_dot": setting})
+    bwd_blocks = BlockSizes(**{**bwd_blocks.__dict__, "float32_dot": setting})
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((B, Hq, T, D)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((B, Hkv, T, D)), jnp.float32) for _ in range(2))
+    w = jnp.asarray(rng.standard_normal((B, Hq, T, D)), jnp.float32)
+
+    def attention(q, k, v):
+        return blocksparse_attention(q, k, v, causal=True, impl="triton",
+                                     fwd_blocks=fwd_blocks, bwd_blocks=bwd_blocks)
+
+    forward = jax.jit(attention)
+    gradient = jax.jit(jax.grad(lambda q, k, v: jnp.sum(w * attention(q, k, v)), (0, 1, 2)))
+    cold = {}
+    for name, fn in (("forward_s", forward), ("gradient_s", gradient)):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(q, k, v))
+        cold[name] = round(time.perf_counter() - start, 2)
+    cold["forward_plus_gradient_s"] = round(cold["forward_s"] + cold["gradient_s"], 2)
+    warm = {"forward": common.time_stats_ms(lambda: forward(q, k, v)),
+            "gradient": common.time_stats_ms(lambda: gradient(q, k, v))}
+    with jax.enable_x64(True):
+        q64, k64, v64, w64 = (jnp.asarray(np.asarray(x), jnp.float64) for x in (q, k, v, w))
+        ref = reference(q64, k64, v64, causal=True)
+        ref_grads = jax.grad(lambda q, k, v: jnp.sum(w64 * reference(q, k, v, causal=True)),
+                             (0, 1, 2))(q64, k64, v64)
+    errors = {"forward": common.relative_error(forward(q, k, v), ref),
+              "gradient": {n: common.relative_error(g, r) for n, g, r in
+                           zip(("dq", "dk", "dv"), gradient(q, k, v), ref_grads)}}
+    return {"float32_dot": setting, "cold": cold, "warm": warm, "relative_error": errors}
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":  # one setting, in a fresh process
+        print(json.dumps(measure(sys.argv[2], json.loads(sys.argv[3]))), flush=True)
+        return 0
+    args = common.parse_args(__doc__.splitlines()[0])
+    shape = QUICK if args.quick else SHAPE
+    runs, failed = [], []
+    for setting in SETTINGS:
+        env = dict(os.environ, TRITON_CACHE_DIR=tempfile.mkdtemp(prefix="triton_cold_"),
+                   JAX_ENABLE_COMPILATION_CACHE="false")
+        child = subprocess.run([sys.executable, __file__, "--child", setting, json.dumps(shape)],
+                               env=env, capture_output=True, text=True)
+        if child.returncode != 0:
+            print(child.stderr[-3000:], file=sys.stderr)
+            return 1
+        run = json.loads(child.stdout.strip().splitlines()[-1])
+        runs.append(run)
+        errors = run["relative_error"]
+        if errors["forward"] > TOLERANCE["forward"] or \
+                max(errors["gradient"].values()) > TOLERANCE["gradient"]:
+            failed.append(setting)
+        print(f"{setting:7s} cold: forward {run['cold']['forward_s']:6.1f} s, gradient "
+              f"{run['cold']['gradient_s']:6.1f} s | warm median: forward "
+              f"{run['warm']['forward']['median_ms']:8.2f} ms, gradient "
+              f"{run['warm']['gradient']['median_ms']:8.2f} ms | error: forward "
+              f"{errors['forward']:.1e}, gradients {max(errors['gradient'].values()):.1e}")
+    commit = os.environ.get("EJK_COMMIT")
+    commit_file = Path(__file__).parent / "results" / ".commit"
+    if not commit and commit_file.exists():
+        commit = json.loads(commit_file.read_text()).get("commit")
+    path = common.write_result(args.out, "attention_fp32", {
+        "commit": commit, "shape": {**shape, "dtype": "float32", "mask": "causal"},
+        "gpu": ejk_lite.ON_GPU, "tolerance": TOLERANCE, "runs": runs})
+    print(f"wrote {path}")
+    if failed:
+        print(f"relative error past the tolerance with {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
