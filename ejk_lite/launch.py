@@ -6,7 +6,8 @@
                       grid=(triton.cdiv(n, 1024),), BLOCK=1024)
 
 * positional arguments are the kernel's leading parameters, in order: JAX arrays become pointers,
-  Python ``int``/``float`` become scalar arguments;
+  Python ``int``/``float`` (and NumPy scalars, taken as the Python numbers they hold) become
+  scalar arguments;
 * one pointer per ``out_shape`` entry is appended **after** all positional arguments;
 * keywords that are not launch options are ``tl.constexpr`` meta-parameters;
 * ``grid`` is a tuple, or a callable that receives the meta-parameters and returns one.
@@ -87,6 +88,10 @@ def triton_call(
     ``out_shape`` is a ``jax.ShapeDtypeStruct`` (one output) or a list/tuple of them; the result
     has the same structure. See the module docstring for the argument convention.
     """
+    # A NumPy scalar (np.int64(8), what indexing a NumPy array gives) is a number, not an array:
+    # passed on as it is, it would become a pointer to one element.
+    args = tuple(a.item() if isinstance(a, np.generic) else a for a in args)
+    metaparams = {k: v.item() if isinstance(v, np.generic) else v for k, v in metaparams.items()}
     out_leaves, out_tree = jax.tree_util.tree_flatten(out_shape)
     for i, leaf in enumerate(out_leaves):
         if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):

@@ -75,16 +75,17 @@ import triton
 import triton.language as tl
 from jax import Array
 
+from ejk_lite.checks import check_floating, concrete_value, static_int
 from ejk_lite.launch import ON_GPU, triton_call
 from ejk_lite.packing import (
     cdiv,
-    concrete_value,
+    checked_cu_seqlens,
     prepare_chunk_indices,
     prepare_chunk_offsets,
     prepare_lens,
     prepare_position_ids,
     prepare_sequence_ids,
-    validate_cu_seqlens,
+    sanitize_cu_seqlens,
 )
 
 __all__ = ["mean_pooling", "block_mean_pooling", "reference", "reference_blocks", "Tiling"]
@@ -286,22 +287,27 @@ def mean_pool_backward_kernel(
 
 
 @triton.jit
-def _block_bounds(block_index_ptr, cu_seqlens_ptr, block, block_size, num_tokens):
-    """Rows ``[start, end)`` of block ``block``: row ``block`` of ``prepare_chunk_indices`` is
-    ``(sequence, chunk within it)``, or ``(-1, -1)`` past the last block (then ``start == end``)."""
+def _block_bounds(block_index_ptr, cu_seqlens_ptr, block, block_size, num_seqs, num_tokens):
+    """Rows ``[start, end)`` of block ``block`` and whether it is a real block: row ``block`` of
+    ``prepare_chunk_indices`` is ``(sequence, chunk within it)``, or ``(-1, -1)`` past the last
+    block (then ``start == end == 0``). The row is read from memory, so it is trusted with no
+    address: a sequence outside ``[0, num_seqs)`` reads nothing, and the block is clamped into its
+    sequence, whatever ``chunk`` says."""
     seq = tl.load(block_index_ptr + 2 * block)
     chunk = tl.load(block_index_ptr + 2 * block + 1)
-    seq_start = _boundary(cu_seqlens_ptr, tl.maximum(seq, 0), num_tokens)
-    seq_end = tl.maximum(_boundary(cu_seqlens_ptr, tl.maximum(seq, 0) + 1, num_tokens), seq_start)
-    start = tl.minimum(seq_start + chunk * block_size, seq_end)
+    valid = (seq >= 0) & (seq < num_seqs)
+    seq_start = tl.load(cu_seqlens_ptr + seq, mask=valid, other=0)
+    seq_end = tl.load(cu_seqlens_ptr + seq + 1, mask=valid, other=0)
+    seq_start = tl.minimum(tl.maximum(seq_start, 0), num_tokens)
+    seq_end = tl.minimum(tl.maximum(seq_end, seq_start), num_tokens)
+    start = tl.minimum(tl.maximum(seq_start + chunk * block_size, seq_start), seq_end)
     end = tl.minimum(start + block_size, seq_end)
-    valid = seq >= 0
-    return tl.where(valid, start, 0), tl.where(valid, end, 0)
+    return tl.where(valid, start, 0), tl.where(valid, end, 0), valid
 
 
 @triton.jit
 def block_pool_forward_kernel(
-    x_ptr, block_index_ptr, cu_seqlens_ptr, block_size, num_tokens,
+    x_ptr, block_index_ptr, cu_seqlens_ptr, block_size, num_seqs, num_tokens,
     out_ptr,
     NUM_FEATURES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
@@ -310,7 +316,8 @@ def block_pool_forward_kernel(
     cols = d_tile * BLOCK_D + tl.arange(0, BLOCK_D)
     col_mask = cols < NUM_FEATURES
 
-    start, end = _block_bounds(block_index_ptr, cu_seqlens_ptr, block, block_size, num_tokens)
+    start, end, _ = _block_bounds(block_index_ptr, cu_seqlens_ptr, block, block_size, num_seqs,
+                                  num_tokens)
     mean = _sum_rows(x_ptr, start, end, NUM_FEATURES, cols, col_mask, BLOCK_T, BLOCK_D, NUM_STAGES)
     mean = mean / tl.maximum(end - start, 1)
     tl.store(out_ptr + block.to(tl.int64) * NUM_FEATURES + cols, mean.to(out_ptr.dtype.element_ty), mask=col_mask)
@@ -334,14 +341,15 @@ def block_pool_backward_kernel(
     col_mask = cols < NUM_FEATURES
 
     if program < num_blocks:
-        start, end = _block_bounds(block_index_ptr, cu_seqlens_ptr, program, block_size, num_tokens)
+        start, end, _ = _block_bounds(block_index_ptr, cu_seqlens_ptr, program, block_size,
+                                      num_seqs, num_tokens)
         dout = tl.load(dout_ptr + program.to(tl.int64) * NUM_FEATURES + cols, mask=col_mask, other=0.0)
         grad = dout.to(tl.float32) / tl.maximum(end - start, 1)
     else:
         # The last listed block ends the covered range; if it is a (-1, -1) filler row, every
         # block was listed and the last sequence ends it.
-        _, last_end = _block_bounds(block_index_ptr, cu_seqlens_ptr, num_blocks - 1, block_size, num_tokens)
-        last_is_real = tl.load(block_index_ptr + 2 * (num_blocks - 1)) >= 0
+        _, last_end, last_is_real = _block_bounds(block_index_ptr, cu_seqlens_ptr, num_blocks - 1,
+                                                  block_size, num_seqs, num_tokens)
         covered = tl.where(last_is_real, last_end, _boundary(cu_seqlens_ptr, num_seqs, num_tokens))
         start = tl.minimum(covered + (program - num_blocks) * TAIL_TOKENS, num_tokens)
         end = tl.minimum(start + TAIL_TOKENS, num_tokens)
@@ -503,7 +511,7 @@ def _block_pool_triton(x2d: Array, cu_seqlens: Array, block_index: Array, plan: 
     num_tokens, num_features = x2d.shape
     num_blocks = block_index.shape[0]
     return triton_call(
-        x2d, block_index, cu_seqlens, plan.block_size, num_tokens,
+        x2d, block_index, cu_seqlens, plan.block_size, cu_seqlens.shape[0] - 1, num_tokens,
         kernel=block_pool_forward_kernel,
         out_shape=jax.ShapeDtypeStruct((num_blocks, num_features), x2d.dtype),
         grid=(num_blocks * cdiv(num_features, plan.block_hidden),),
@@ -561,7 +569,8 @@ def mean_pooling(
       cu_seqlens: ``[0, len_0, len_0 + len_1, ...]`` (int), sequence ``i`` being the tokens
         ``cu_seqlens[i]:cu_seqlens[i + 1]``. Tokens at or past ``cu_seqlens[-1]`` belong to no
         sequence: ignored, with zero gradient. Its values are checked when they are concrete;
-        under ``jax.jit`` they are trusted (the kernels clip them to the tokens of ``x``).
+        under ``jax.jit`` they cannot be, and invalid ones are replaced by the nearest valid
+        packing (:func:`ejk_lite.packing.sanitize_cu_seqlens`): wrong numbers, never a crash.
       impl: ``"triton"``, ``"xla"`` (plain ``jnp``) or ``"auto"`` (Triton on a GPU, else XLA).
       tiling: optional :class:`Tiling` for the Triton kernels (benchmarks sweep it).
 
@@ -576,8 +585,8 @@ def mean_pooling(
     """
     impl = _resolve_impl(impl, x)
     x = jnp.asarray(x)
-    _check_positive_int(chunk_size, "chunk_size")
-    _check_tiling(tiling)
+    chunk_size = static_int(chunk_size, "chunk_size", minimum=1)
+    tiling = _check_tiling(tiling)
     x2d, cu, rest, padded = _as_packed(x, cu_seqlens, "mean_pooling")
     num_tokens, num_features = x2d.shape
     num_seqs = cu.shape[0] - 1
@@ -587,7 +596,7 @@ def mean_pooling(
     if impl == "xla":
         return _mean_pooling_xla(x, x2d, cu, padded).reshape(out_shape)
     plan = _plan(chunk_size, num_tokens, num_features, num_seqs, x.shape[1] if padded else None, tiling)
-    return _mean_pool_triton(x2d, jnp.asarray(cu, jnp.int32), plan).reshape(out_shape)
+    return _mean_pool_triton(x2d, sanitize_cu_seqlens(cu, num_tokens), plan).reshape(out_shape)
 
 
 def block_mean_pooling(
@@ -629,9 +638,11 @@ def block_mean_pooling(
     """
     impl = _resolve_impl(impl, x)
     x = jnp.asarray(x)
-    _check_positive_int(block_size, "block_size")
-    _check_positive_int(chunk_size, "chunk_size")
-    _check_tiling(tiling)
+    block_size = static_int(block_size, "block_size", minimum=1)
+    chunk_size = static_int(chunk_size, "chunk_size", minimum=1)
+    if total_blocks is not None:
+        total_blocks = static_int(total_blocks, "total_blocks")
+    tiling = _check_tiling(tiling)
     x2d, cu, rest, padded = _as_packed(x, cu_seqlens, "block_mean_pooling")
     num_tokens, num_features = x2d.shape
     num_seqs = cu.shape[0] - 1
@@ -652,9 +663,10 @@ def block_mean_pooling(
     if impl == "xla":
         return _block_mean_pooling_xla(x, x2d, cu, block_size, total_blocks, padded).reshape(out_shape)
 
-    # The block list: concrete (a constant) whenever cu_seqlens is.
+    # The block list: concrete (a constant) whenever cu_seqlens is. Both come from the sanitized
+    # offsets (unchanged if valid), so the kernels never see an invalid packing.
     with jax.ensure_compile_time_eval():
-        cu = jnp.asarray(cu, jnp.int32)
+        cu = sanitize_cu_seqlens(cu, num_tokens)
         block_index = prepare_chunk_indices(cu, block_size, total_chunks=total_blocks)
 
     tiles = _plan(min(chunk_size, block_size), num_tokens, num_features, num_seqs, None, tiling)
@@ -683,7 +695,7 @@ def _mean_pooling_xla(x: Array, x2d: Array, cu: Any, padded: bool) -> Array:
     if padded:
         return jnp.mean(x, axis=1, dtype=jnp.float32).astype(x.dtype)
     num_tokens = x2d.shape[0]
-    cu = jnp.asarray(cu)
+    cu = sanitize_cu_seqlens(cu, num_tokens)  # as the kernels see it: the same answer on garbage
     seq_ids = prepare_sequence_ids(cu, total_tokens=num_tokens)  # -1 past cu_seqlens[-1]: dropped
     sums = jax.ops.segment_sum(x2d.astype(jnp.float32), seq_ids, num_segments=cu.shape[0] - 1)
     lens = jnp.maximum(prepare_lens(cu), 1).astype(jnp.float32)
@@ -699,7 +711,7 @@ def _block_mean_pooling_xla(x, x2d, cu, block_size, total_blocks, padded) -> Arr
         lens = np.minimum(block_size, seq_len - block_size * np.arange(blocks))  # static
         return (x4.sum(axis=2) / lens[None, :, None].astype(np.float32)).astype(x.dtype)
     num_tokens = x2d.shape[0]
-    cu = jnp.asarray(cu)
+    cu = sanitize_cu_seqlens(cu, num_tokens)  # as the kernels see it: the same answer on garbage
     seq_ids = prepare_sequence_ids(cu, total_tokens=num_tokens)
     positions = prepare_position_ids(cu, total_tokens=num_tokens)
     offsets = prepare_chunk_offsets(cu, block_size)
@@ -756,17 +768,11 @@ def _resolve_impl(impl: str, x: Any) -> str:
         raise ValueError(f"impl must be 'auto', 'xla' or 'triton', got {impl!r}")
     if impl == "auto":
         impl = "triton" if ON_GPU else "xla"
-    dtype = getattr(x, "dtype", None)
-    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-        raise ValueError(f"x must be a floating-point array, got dtype {dtype}")
+    check_floating(x, "x")
+    dtype = x.dtype
     if impl == "triton" and jnp.dtype(dtype) not in (jnp.float16, jnp.bfloat16, jnp.float32):
         raise ValueError(f"impl='triton' takes float16, bfloat16 or float32 x, got {dtype}; use impl='xla'")
     return impl
-
-
-def _check_positive_int(value: Any, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 def _as_packed(x: Array, cu_seqlens: Any, fn: str) -> tuple[Array, Any, tuple[int, ...], bool]:
@@ -784,10 +790,8 @@ def _as_packed(x: Array, cu_seqlens: Any, fn: str) -> tuple[Array, Any, tuple[in
     if x.ndim >= 3 and x.shape[0] == 1:
         raise ValueError(f"{fn}: with cu_seqlens, x must be packed (total_tokens, hidden, ...) with no batch "
                          f"axis, got shape {x.shape}; pass x[0]")
-    validate_cu_seqlens(cu_seqlens, total_tokens=x.shape[0], name="cu_seqlens")
+    cu = checked_cu_seqlens(cu_seqlens, x.shape[0])  # values checked if concrete
     rest = x.shape[1:]
-    values = concrete_value(cu_seqlens)
-    cu = values.astype(np.int32) if values is not None else cu_seqlens.astype(jnp.int32)
     return x.reshape(x.shape[0], math.prod(rest)), cu, rest, False
 
 
@@ -797,33 +801,27 @@ def _count_blocks(cu: Any, block_size: int, total_blocks: int | None) -> int:
         if total_blocks is None:
             raise ValueError("block_mean_pooling: the number of blocks depends on the values of cu_seqlens, "
                              "which are not known under jax.jit; pass it as a static argument total_blocks=...")
-        _check_non_negative_int(total_blocks, "total_blocks")
-        return int(total_blocks)
+        return total_blocks
     true_count = int(cdiv(np.diff(values.astype(np.int64)), block_size).sum())
     if total_blocks is None:
         return true_count
-    _check_non_negative_int(total_blocks, "total_blocks")
     if total_blocks < true_count:
         raise ValueError(f"total_blocks={total_blocks} is fewer than the {true_count} blocks cu_seqlens makes "
                          f"with block_size={block_size}")
-    return int(total_blocks)
+    return total_blocks
 
 
-def _check_tiling(tiling: Any) -> None:
+def _check_tiling(tiling: Any) -> Tiling | None:
+    """``tiling`` with every field a Python int (or None), or a ValueError naming the field."""
     if tiling is None:
-        return
+        return None
     if not isinstance(tiling, Tiling):
         raise ValueError(f"tiling must be a Tiling or None, got {tiling!r}")
-    for name in ("block_hidden", "num_warps"):
-        value = getattr(tiling, name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))
-                                  or value <= 0 or value & (value - 1)):
-            raise ValueError(f"tiling.{name} must be a power of two, got {value!r}")
-    for name in ("tokens_per_program", "num_stages"):
-        if getattr(tiling, name) is not None:
-            _check_positive_int(getattr(tiling, name), f"tiling.{name}")
-
-
-def _check_non_negative_int(value: Any, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    fields = {}
+    for name, value in tiling._asdict().items():
+        if value is not None:
+            value = static_int(value, f"tiling.{name}", minimum=1)
+            if name in ("block_hidden", "num_warps") and value & (value - 1):
+                raise ValueError(f"tiling.{name} must be a power of two, got {value!r}")
+        fields[name] = value
+    return Tiling(**fields)

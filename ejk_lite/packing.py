@@ -65,18 +65,17 @@ def validate_cu_seqlens(cu_seqlens: Any, total_tokens: int | None = None, name: 
         raise ValueError(f"{name}[-1] = {values[-1]} is beyond the {total_tokens} tokens of the input")
 
 
-def offsets_for_kernels(cu_seqlens: Any, total_tokens: int, name: str = "cu_seqlens") -> Array:
-    """``cu_seqlens`` validated against ``total_tokens`` tokens, as the int32 array the ops use.
+def checked_cu_seqlens(cu_seqlens: Any, total_tokens: int, name: str = "cu_seqlens") -> Any:
+    """``cu_seqlens`` validated against ``total_tokens`` tokens (see :func:`validate_cu_seqlens`).
 
-    Concrete values are checked first (see :func:`validate_cu_seqlens`), so the cast to int32 is
-    exact whatever the caller's integer dtype (int8 ... uint64). Traced values are cast as they
-    come; :func:`sanitize_cu_seqlens` makes them harmless before any kernel sees them.
+    Concrete values come back as a NumPy int32 array: checked first, so the cast is exact
+    whatever the caller's integer dtype (int8 ... uint64), and a NumPy array stays a constant
+    (its values known) under ``jax.jit``. Traced values come back as they are: the ops pass them
+    through :func:`sanitize_cu_seqlens`, which casts them, before any kernel sees them.
     """
     validate_cu_seqlens(cu_seqlens, total_tokens=total_tokens, name=name)
     values = concrete_value(cu_seqlens)
-    if values is not None:
-        return jnp.asarray(values.astype(np.int32))
-    return cu_seqlens.astype(jnp.int32)
+    return cu_seqlens if values is None else values.astype(np.int32)
 
 
 def sanitize_cu_seqlens(cu_seqlens: Array, total_tokens: int) -> Array:

@@ -63,9 +63,10 @@ import triton
 import triton.language as tl
 from jax import Array
 
+from ejk_lite.checks import check_floating, static_float
 from ejk_lite.cumsum import chunk_global_cumsum
 from ejk_lite.launch import triton_call
-from ejk_lite.packing import cdiv, prepare_sequence_ids, validate_cu_seqlens
+from ejk_lite.packing import cdiv, checked_cu_seqlens, prepare_sequence_ids, sanitize_cu_seqlens
 
 
 # ----------------------------------------------------------------------------------------------
@@ -78,12 +79,16 @@ def _check_shape(name: str, x: Any, expected: tuple[int, ...], meaning: str) -> 
         raise ValueError(f"{name} must have shape {meaning} = {expected}, got {tuple(x.shape)}")
 
 
-def _validate(query, key, value, g, g_gamma, gk, gv, initial_state, cu_seqlens) -> int:
-    """Raise ``ValueError`` naming the bad argument; return N, the number of sequences."""
+def _validate(query, key, value, g, g_gamma, gk, gv, initial_state, cu_seqlens) -> Array | None:
+    """Raise ``ValueError`` naming the bad argument; return ``cu_seqlens`` checked (or None)."""
     for name, x in (("query", query), ("key", key), ("value", value)):
         if not hasattr(x, "shape") or len(x.shape) != 4:
             raise ValueError(f"{name} must be a 4-D array [batch, seq_len, heads, dim], "
                              f"got shape {getattr(x, 'shape', None)}")
+    # A state of integers (or bools) would be decayed and summed in integer arithmetic: refuse.
+    for name, x in (("query", query), ("key", key), ("value", value), ("g", g),
+                    ("g_gamma", g_gamma), ("gk", gk), ("gv", gv), ("initial_state", initial_state)):
+        check_floating(x, name, optional=name not in ("query", "key", "value"))
     batch, seq_len, num_heads, key_dim = query.shape
     num_kv_heads, value_dim = key.shape[2], value.shape[3]
     _check_shape("key", key, (batch, seq_len, num_kv_heads, key_dim), "[batch, seq_len, kv_heads, key_dim]")
@@ -97,13 +102,21 @@ def _validate(query, key, value, g, g_gamma, gk, gv, initial_state, cu_seqlens) 
     if cu_seqlens is None:
         num_sequences = batch
     else:
-        validate_cu_seqlens(cu_seqlens, total_tokens=seq_len)
+        cu_seqlens = checked_cu_seqlens(cu_seqlens, seq_len)
         if batch != 1:
             raise ValueError(f"cu_seqlens packs sequences along one row: batch must be 1, got {batch}")
         num_sequences = cu_seqlens.shape[0] - 1
     _check_shape("initial_state", initial_state, (num_sequences, num_heads, key_dim, value_dim),
                  "[num_sequences, heads, key_dim, value_dim]")
-    return num_sequences
+    return cu_seqlens
+
+
+def _scale(softmax_scale: Any, key_dim: int) -> float:
+    """``softmax_scale`` as a Python float; ``key_dim ** -0.5`` by default (1 for an empty key
+    dimension, where it multiplies nothing: the output is zero)."""
+    if softmax_scale is not None:
+        return static_float(softmax_scale, "softmax_scale")
+    return key_dim ** -0.5 if key_dim > 0 else 1.0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -137,11 +150,12 @@ def reference(
     from its last token to its first. Computes in float32 (float64 for float64 inputs); the output
     has the query's dtype and the final state ``[N, H, K, V]`` is float32 (float64 for float64).
     """
-    num_sequences = _validate(query, key, value, g, g_gamma, gk, gv, initial_state, cu_seqlens)
+    cu_seqlens = _validate(query, key, value, g, g_gamma, gk, gv, initial_state, cu_seqlens)
     batch, seq_len, num_heads, key_dim = query.shape
+    num_sequences = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
     value_dim = value.shape[-1]
     group = num_heads // key.shape[2]
-    scale = key_dim ** -0.5 if softmax_scale is None else softmax_scale
+    scale = _scale(softmax_scale, key_dim)
     dtype = jnp.promote_types(query.dtype, jnp.float32)
 
     # Everything per query head, time axis first: [T, B, H, ...].
@@ -210,8 +224,11 @@ def reference(
 def _sequence_bounds(cu_seqlens, i_n, seq_len, VARLEN: tl.constexpr):
     """First and one-past-last token of sequence ``i_n`` in the flattened [B * T] token axis."""
     if VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+        # Clamped (the launch already hands over a valid packing; this is the second line of
+        # defence): whatever cu_seqlens holds, 0 <= bos <= eos <= seq_len.
+        start = tl.minimum(tl.maximum(tl.load(cu_seqlens + i_n), 0), seq_len)
+        bos = start.to(tl.int64)
+        eos = tl.minimum(tl.maximum(tl.load(cu_seqlens + i_n + 1), start), seq_len).to(tl.int64)
     else:
         bos = i_n.to(tl.int64) * seq_len
         eos = bos + seq_len
@@ -519,7 +536,8 @@ def _forward(scale, reverse, blocks,
     num_seqs = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
     total_tokens = batch * seq_len
     f32 = jnp.float32
-    if num_seqs * num_heads == 0 or total_tokens == 0:  # nothing to walk
+    # Nothing to walk: no sequence, no token, or an empty state (K = 0 or V = 0: o = q h is 0).
+    if num_seqs * num_heads * key_dim * value_dim == 0 or total_tokens == 0:
         o = jnp.zeros((batch, seq_len, num_heads, value_dim), query.dtype)
         h0 = jnp.zeros((num_seqs, num_heads, key_dim, value_dim), f32) if initial_state is None else initial_state
         return o, h0.astype(f32)
@@ -561,7 +579,8 @@ def _backward(scale, reverse, blocks, residuals, cotangents):
     flags = _flags(g, g_gamma, gk, gv, initial_state, reverse, cu_seqlens)
     gated_k, gated_v = flags["HAS_K_DECAY"], flags["HAS_GV"]
 
-    if num_seqs * num_heads == 0 or total_tokens == 0:  # nothing was walked: the state passed straight through
+    if num_seqs * num_heads * key_dim * value_dim == 0 or total_tokens == 0:
+        # Nothing was walked: the state passed straight through, and nothing reached o.
         dq, dk, dlog_k = (jnp.zeros((batch, seq_len, num_heads, key_dim), f32),) * 3
         dv, dlog_v = (jnp.zeros((batch, seq_len, num_heads, value_dim), f32),) * 2
         dh0 = d_final_state if has_dht else jnp.zeros(state_shape, f32)
@@ -653,7 +672,17 @@ def _recurrent_fwd(scale, reverse, blocks, *primals):
 # symbolic_zeros: when the caller ignores final_state, its cotangent arrives as a SymbolicZero and
 # the reverse sweep skips it instead of reading a tensor of zeros.
 _recurrent.defvjp(_recurrent_fwd, _backward, symbolic_zeros=True)
-_recurrent_jit = jax.jit(_recurrent, static_argnums=(0, 1, 2))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _recurrent_jit(scale, reverse, blocks, query, key, value, g, g_gamma, gk, gv, initial_state,
+                   cu_seqlens):
+    if cu_seqlens is not None:
+        # Traced values were not checked: the kernels get the nearest valid packing, so that none
+        # of them can be sent outside its arrays. (cu_seqlens gets no gradient.)
+        cu_seqlens = sanitize_cu_seqlens(cu_seqlens, query.shape[1])
+    return _recurrent(scale, reverse, blocks, query, key, value, g, g_gamma, gk, gv, initial_state,
+                      cu_seqlens)
 
 
 def recurrent(
@@ -690,8 +719,8 @@ def recurrent(
         ``[N, H, K, V]`` in float32 (N = B without ``cu_seqlens``). Gradients come back in each
         input's dtype; ``g_gamma``'s is the sum of what ``g`` would get.
     """
-    _validate(query, key, value, g, g_gamma, gk, gv, initial_state, cu_seqlens)
-    scale = query.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    cu_seqlens = _validate(query, key, value, g, g_gamma, gk, gv, initial_state, cu_seqlens)
+    scale = _scale(softmax_scale, query.shape[-1])
     blocks = _block_sizes(query.shape[-1], value.shape[-1])
     return _recurrent_jit(scale, bool(reverse), blocks,
                           query, key, value, g, g_gamma, gk, gv, initial_state, cu_seqlens)

@@ -29,7 +29,7 @@ from ejk_lite import (
     prepare_token_indices,
     validate_cu_seqlens,
 )
-from ejk_lite.packing import offsets_for_kernels, sanitize_cu_seqlens
+from ejk_lite.packing import checked_cu_seqlens, sanitize_cu_seqlens
 from conftest import rel_err
 
 # ------------------------------------------------------------------------------------------------
@@ -258,7 +258,7 @@ def test_decreasing_cu_seqlens_of_every_integer_dtype_is_refused(dtype):
     with pytest.raises(ValueError, match="non-decreasing"):
         validate_cu_seqlens(bad)
     with pytest.raises(ValueError, match="non-decreasing"):
-        offsets_for_kernels(bad, 9)
+        checked_cu_seqlens(bad, 9)
     with pytest.raises(ValueError, match="non-decreasing"):
         prepare_sequence_ids(bad)
 
@@ -272,7 +272,7 @@ def test_values_beyond_int32_are_refused_before_they_wrap():
         with pytest.raises(ValueError, match="cu_seqlens"):
             prepare_sequence_ids(bad)
         with pytest.raises(ValueError, match="cu_seqlens"):
-            offsets_for_kernels(bad, 2**40)
+            checked_cu_seqlens(bad, 2**40)
 
 
 @pytest.mark.parametrize("dtype", ["int8", "uint8", "int16", "uint16", "uint32", "uint64", "int64"])
@@ -292,7 +292,7 @@ def test_narrow_and_unsigned_dtypes_give_the_right_answer(rng, dtype):
     np.testing.assert_array_equal(prepare_chunk_indices(cu, 7, total_chunks=30),
                                   reference_chunks(lengths, 7, 30))
     np.testing.assert_array_equal(prepare_chunk_offsets(cu, 7), reference_chunk_offsets(lengths, 7))
-    kernel_offsets = offsets_for_kernels(cu, total)
+    kernel_offsets = checked_cu_seqlens(cu, total)
     assert kernel_offsets.dtype == jnp.int32
     np.testing.assert_array_equal(kernel_offsets, cu_seqlens_of(lengths))
     # Traced, the same.
