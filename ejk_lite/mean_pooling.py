@@ -348,8 +348,10 @@ def block_pool_backward_kernel(
     else:
         # The last listed block ends the covered range; if it is a (-1, -1) filler row, every
         # block was listed and the last sequence ends it.
-        _, last_end, last_is_real = _block_bounds(block_index_ptr, cu_seqlens_ptr, num_blocks - 1,
-                                                  block_size, num_seqs, num_tokens)
+        # (No `_` here: compiled Triton wants a name bound in both branches of an `if` to keep
+        # one type, and `_` is the bool `valid` in the other branch, an int here.)
+        last_start, last_end, last_is_real = _block_bounds(
+            block_index_ptr, cu_seqlens_ptr, num_blocks - 1, block_size, num_seqs, num_tokens)
         covered = tl.where(last_is_real, last_end, _boundary(cu_seqlens_ptr, num_seqs, num_tokens))
         start = tl.minimum(covered + (program - num_blocks) * TAIL_TOKENS, num_tokens)
         end = tl.minimum(start + TAIL_TOKENS, num_tokens)
