@@ -26,9 +26,11 @@ and ``[B, H, T, S]``. With ``cu_seqlens`` the batch must be 1 and its token axis
 sequences back to back (see :mod:`ejk_lite.packing`): global sums restart at each sequence; local
 chunks are counted from each sequence's first token, so a chunk never straddles two sequences and
 a sequence's last chunk may be short. Tokens past ``cu_seqlens[-1]`` belong to no sequence; their
-output (and gradient) is zero. Sums are accumulated in float32 whatever the input dtype; the
-output has the input dtype unless ``output_dtype`` says otherwise, and ``softmax_scale`` multiplies
-the sums before that final cast.
+output (and gradient) is zero. ``cu_seqlens`` may be traced under ``jax.jit``; its values cannot
+be checked then, and both implementations use the nearest valid packing instead
+(:func:`ejk_lite.packing.sanitize_cu_seqlens`): garbage offsets give wrong sums, never a crash.
+Sums are accumulated in float32 whatever the input dtype; the output has the input dtype unless
+``output_dtype`` says otherwise, and ``softmax_scale`` multiplies the sums before that final cast.
 
 Implementations (``impl=``):
 
@@ -37,7 +39,8 @@ Implementations (``impl=``):
   scans each block with ``tl.cumsum`` and carries the float32 running sum into the next block.
   Reverse sums read the segment backwards and scan forwards.
   The local kernel has one program per (chunk, column tile, row); the global kernel one per
-  (sequence, column tile, row). Every element is read once and written once.
+  (sequence, column tile, row). Every element is read once and written once. Under ``jax.vmap``
+  the mapped axis is folded into the rows: a batch is one launch.
 * ``"xla"``: plain ``jax.numpy``/``lax`` ops, differentiated by JAX itself.
 * ``"auto"``: Triton on a GPU, XLA otherwise (the interpreter is for testing, not for speed).
 
@@ -57,7 +60,7 @@ import triton.language as tl
 from jax import lax
 
 from ejk_lite.checks import check_floating, static_float, static_int
-from ejk_lite.launch import ON_GPU, triton_call
+from ejk_lite.launch import ON_GPU, triton_call, vmap_by_folding
 from ejk_lite.packing import (
     cdiv,
     checked_cu_seqlens,
@@ -228,13 +231,25 @@ def _kernel_view(x: jax.Array, head_first: bool) -> tuple[jax.Array, int, int, i
 
 
 def _launch(x, cu_seqlens, chunk_size, reverse, scale, head_first, out_dtype):
-    """Run the local kernel (``chunk_size`` given) or the global one (``None``) on ``x``."""
+    """Run the local kernel (``chunk_size`` given) or the global one (``None``) on ``x``.
+
+    Under ``jax.vmap`` the mapped axis is folded into the batch axis: the kernels' rows are
+    independent and share ``cu_seqlens``, so a batch of ``n`` inputs is one launch over ``n * B``
+    rows. A mapped ``cu_seqlens`` (each element its own packing) runs one launch per element.
+    """
+    run = functools.partial(_launch_rows, chunk_size=chunk_size, reverse=reverse, scale=scale,
+                            head_first=head_first, out_dtype=out_dtype)
+    return vmap_by_folding(run, in_axes=(0, None), out_axes=0)(x, cu_seqlens)
+
+
+def _launch_rows(x, cu_seqlens, *, chunk_size, reverse, scale, head_first, out_dtype):
     if x.size == 0:
         return jnp.zeros(x.shape, out_dtype)
     view, N, T, C, tokens_contiguous = _kernel_view(x, head_first)
     if N > _MAX_GRID_YZ:
-        raise ValueError(f"{N} rows (batch, or batch x heads when head_first with vectors) exceed the "
-                         f"grid limit of {_MAX_GRID_YZ}; use impl='xla'")
+        raise ValueError(f"{N} rows (batch, or batch x heads when head_first with vectors, times "
+                         f"the size of any vmapped axes) exceed the grid limit of {_MAX_GRID_YZ}; "
+                         f"use impl='xla'")
     if T * C >= 2**31:
         raise ValueError(f"one row of {T} tokens x {C} columns exceeds 2**31 elements; use impl='xla'")
     varlen = cu_seqlens is not None

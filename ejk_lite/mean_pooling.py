@@ -57,6 +57,9 @@ memory bandwidth, and a good kernel is one that keeps enough loads in flight on 
 All accumulation is in float32, whatever the input dtype; outputs (and gradients) have the input's
 dtype. A zero-length sequence pools to zeros (its sum, 0, divided by max(n, 1)).
 
+Every kernel also takes a second grid axis of *rows*, independent copies of the problem sharing
+``cu_seqlens``: ``jax.vmap`` folds its mapped axis into them, so a batch is one launch.
+
 ``impl="xla"`` computes the same functions with plain ``jnp`` (a mean, or ``jax.ops.segment_sum``
 for packed input) and lets JAX differentiate them; ``reference`` and ``reference_blocks`` are
 deliberately naive loops that tests and the book check both against.
@@ -76,7 +79,7 @@ import triton.language as tl
 from jax import Array
 
 from ejk_lite.checks import check_floating, concrete_value, static_int
-from ejk_lite.launch import ON_GPU, triton_call
+from ejk_lite.launch import ON_GPU, triton_call, vmap_by_folding
 from ejk_lite.packing import (
     cdiv,
     checked_cu_seqlens,
@@ -125,18 +128,21 @@ def _sequence_at(cu_seqlens_ptr, num_seqs, token, SEARCH_STEPS: tl.constexpr):
 
 @triton.jit
 def _work_item(NUM_FEATURES: tl.constexpr, BLOCK_D: tl.constexpr):
-    """This program's ``(item, feature tile)``; an item is a token tile, a sequence or a block.
+    """This program's ``(item, feature tile, row)``; an item is a token tile, a sequence or a
+    block.
 
-    The grid is one-dimensional, ``items * feature_tiles`` programs with the feature tile varying
-    fastest. The GPU starts programs roughly in id order, so the programs running side by side
-    read the *same rows* of ``x``, each its own ``BLOCK_D`` columns: together, whole contiguous
-    rows. With the item varying fastest instead, hundreds of programs would each read a narrow
-    column strip, rows ``F`` elements apart, which DRAM serves less well (measured on an H100: a
-    few points of bandwidth, forward and backward).
+    Grid axis 1 is the *row*: independent copies of the whole problem that share ``cu_seqlens``
+    (one, unless ``jax.vmap`` folded a mapped axis into it); the row comes back as an int64,
+    ready to scale a row stride. Grid axis 0 has ``items * feature_tiles`` programs with the
+    feature tile varying fastest. The GPU starts programs roughly in id order, so the programs
+    running side by side read the *same rows* of ``x``, each its own ``BLOCK_D`` columns:
+    together, whole contiguous rows. With the item varying fastest instead, hundreds of programs
+    would each read a narrow column strip, rows ``F`` elements apart, which DRAM serves less well
+    (measured on an H100: a few points of bandwidth, forward and backward).
     """
     feature_tiles: tl.constexpr = (NUM_FEATURES + BLOCK_D - 1) // BLOCK_D
     program = tl.program_id(0)
-    return program // feature_tiles, program % feature_tiles
+    return program // feature_tiles, program % feature_tiles, tl.program_id(1).to(tl.int64)
 
 
 @triton.jit
@@ -189,7 +195,10 @@ def mean_pool_pieces_kernel(
 
     Sequences that lie inside one tile are left whole to ``mean_pool_finish_kernel``.
     """
-    tile, d_tile = _work_item(NUM_FEATURES, BLOCK_D)
+    tile, d_tile, row = _work_item(NUM_FEATURES, BLOCK_D)
+    num_tiles = (num_tokens + TILE_TOKENS - 1) // TILE_TOKENS
+    x_ptr += row * num_tokens * NUM_FEATURES
+    pieces_ptr += row * (2 * num_tiles) * NUM_FEATURES
     cols = d_tile * BLOCK_D + tl.arange(0, BLOCK_D)
     col_mask = cols < NUM_FEATURES
     tile_start = tile * TILE_TOKENS
@@ -216,7 +225,7 @@ def mean_pool_pieces_kernel(
 
 @triton.jit
 def mean_pool_finish_kernel(
-    x_ptr, pieces_ptr, cu_seqlens_ptr, num_tokens,
+    x_ptr, pieces_ptr, cu_seqlens_ptr, num_seqs, num_tokens,
     out_ptr,
     NUM_FEATURES: tl.constexpr, TILE_TOKENS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_P: tl.constexpr, NUM_STAGES: tl.constexpr,
@@ -227,7 +236,11 @@ def mean_pool_finish_kernel(
     ``first..last`` adds its pieces: ``pieces[2 first + 1]`` and ``pieces[2 j]`` for the tiles
     after, ``BLOCK_P`` at a time. An empty sequence sums nothing and gets zeros.
     """
-    seq, d_tile = _work_item(NUM_FEATURES, BLOCK_D)
+    seq, d_tile, row = _work_item(NUM_FEATURES, BLOCK_D)
+    num_tiles = (num_tokens + TILE_TOKENS - 1) // TILE_TOKENS
+    x_ptr += row * num_tokens * NUM_FEATURES
+    pieces_ptr += row * (2 * num_tiles) * NUM_FEATURES
+    out_ptr += row * num_seqs * NUM_FEATURES
     cols = d_tile * BLOCK_D + tl.arange(0, BLOCK_D)
     col_mask = cols < NUM_FEATURES
     start = _boundary(cu_seqlens_ptr, seq, num_tokens)
@@ -264,7 +277,9 @@ def mean_pool_backward_kernel(
     ``dout`` row (read once, divided by the length) over the overlap; then zeros over the tokens
     after ``cu_seqlens[-1]``, which belong to no sequence.
     """
-    tile, d_tile = _work_item(NUM_FEATURES, BLOCK_D)
+    tile, d_tile, row = _work_item(NUM_FEATURES, BLOCK_D)
+    dout_ptr += row * num_seqs * NUM_FEATURES
+    dx_ptr += row * num_tokens * NUM_FEATURES
     cols = d_tile * BLOCK_D + tl.arange(0, BLOCK_D)
     col_mask = cols < NUM_FEATURES
     tile_start = tile * TILE_TOKENS
@@ -307,12 +322,14 @@ def _block_bounds(block_index_ptr, cu_seqlens_ptr, block, block_size, num_seqs, 
 
 @triton.jit
 def block_pool_forward_kernel(
-    x_ptr, block_index_ptr, cu_seqlens_ptr, block_size, num_seqs, num_tokens,
+    x_ptr, block_index_ptr, cu_seqlens_ptr, block_size, num_blocks, num_seqs, num_tokens,
     out_ptr,
     NUM_FEATURES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """Grid ``(num_blocks, cdiv(F, BLOCK_D))``: the mean of one block, divided by its own length."""
-    block, d_tile = _work_item(NUM_FEATURES, BLOCK_D)
+    block, d_tile, row = _work_item(NUM_FEATURES, BLOCK_D)
+    x_ptr += row * num_tokens * NUM_FEATURES
+    out_ptr += row * num_blocks * NUM_FEATURES
     cols = d_tile * BLOCK_D + tl.arange(0, BLOCK_D)
     col_mask = cols < NUM_FEATURES
 
@@ -336,7 +353,9 @@ def block_pool_backward_kernel(
     zeros over the rest, ``TAIL_TOKENS`` rows each: the tokens after ``cu_seqlens[-1]``, and any
     blocks a too-small ``total_blocks`` left out.
     """
-    program, d_tile = _work_item(NUM_FEATURES, BLOCK_D)
+    program, d_tile, row = _work_item(NUM_FEATURES, BLOCK_D)
+    dout_ptr += row * num_blocks * NUM_FEATURES
+    dx_ptr += row * num_tokens * NUM_FEATURES
     cols = d_tile * BLOCK_D + tl.arange(0, BLOCK_D)
     col_mask = cols < NUM_FEATURES
 
@@ -408,6 +427,7 @@ _PIECES_PER_STEP = 16      # BLOCK_P
 # block_mean_pooling's forward: a program pools one block, too short a loop to pipeline, so it
 # takes a wider slice of features instead to keep as many bytes in flight.
 _BLOCK_POOL_HIDDEN = 512
+_MAX_GRID_Y = 65535  # CUDA's limit on the 2nd grid dimension: the rows
 
 
 def _next_power_of_2(n: int) -> int:
@@ -448,47 +468,75 @@ def _plan(chunk_size: int, num_tokens: int, num_features: int, num_seqs: int, se
 # ----------------------------------------------------------------------------------------------
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _mean_pool_triton(x2d: Array, cu_seqlens: Array, plan: _Plan) -> Array:
-    """Mean of the rows ``cu_seqlens[i]:cu_seqlens[i + 1]`` of ``x2d`` ``(tokens, F)``, for each i."""
-    num_tokens, num_features = x2d.shape
+# Every launch below takes ``rows`` independent copies of the problem, ``x3d`` of shape
+# ``(rows, tokens, F)`` sharing ``cu_seqlens`` (grid axis 1, see ``_work_item``). The public
+# functions pass one row; ``jax.vmap`` folds its mapped axis into the rows (``vmap_by_folding``),
+# so a batch of inputs is one launch, not one per element. A mapped ``cu_seqlens`` gives each
+# element its own packing: then the launches run one element at a time.
+
+
+def _check_rows(rows: int) -> None:
+    if rows > _MAX_GRID_Y:
+        raise ValueError(f"{rows} rows (the sizes of the vmapped axes multiplied) exceed the grid "
+                         f"limit of {_MAX_GRID_Y}; use impl='xla'")
+
+
+def _mean_pool_forward_rows(x3d: Array, cu_seqlens: Array, plan: _Plan) -> Array:
+    rows, num_tokens, num_features = x3d.shape
+    _check_rows(rows)
     num_seqs = cu_seqlens.shape[0] - 1
     tiles = (cdiv(num_tokens, plan.tile_tokens), cdiv(num_features, plan.block_hidden))
     common = dict(num_warps=plan.num_warps, NUM_FEATURES=num_features, TILE_TOKENS=plan.tile_tokens,
                   BLOCK_T=plan.block_tokens, BLOCK_D=plan.block_hidden, NUM_STAGES=plan.num_stages)
     if plan.has_pieces:
         pieces = triton_call(
-            x2d, cu_seqlens, num_seqs, num_tokens,
+            x3d, cu_seqlens, num_seqs, num_tokens,
             kernel=mean_pool_pieces_kernel,
-            out_shape=jax.ShapeDtypeStruct((2 * tiles[0], num_features), jnp.float32),
-            grid=(tiles[0] * tiles[1],), SEARCH_STEPS=plan.search_steps, **common,
+            out_shape=jax.ShapeDtypeStruct((rows, 2 * tiles[0], num_features), jnp.float32),
+            grid=(tiles[0] * tiles[1], rows), SEARCH_STEPS=plan.search_steps, **common,
         )
     else:
-        pieces = x2d  # never read: no sequence crosses a tile edge
+        pieces = x3d  # never read: no sequence crosses a tile edge
     return triton_call(
-        x2d, pieces, cu_seqlens, num_tokens,
+        x3d, pieces, cu_seqlens, num_seqs, num_tokens,
         kernel=mean_pool_finish_kernel,
-        out_shape=jax.ShapeDtypeStruct((num_seqs, num_features), x2d.dtype),
-        grid=(num_seqs * tiles[1],), BLOCK_P=_PIECES_PER_STEP, **common,
+        out_shape=jax.ShapeDtypeStruct((rows, num_seqs, num_features), x3d.dtype),
+        grid=(num_seqs * tiles[1], rows), BLOCK_P=_PIECES_PER_STEP, **common,
     )
 
 
-def _mean_pool_triton_forward(x2d, cu_seqlens, plan):
-    # The backward needs only where the sequences are (dout has x's dtype, plan its length).
-    return _mean_pool_triton(x2d, cu_seqlens, plan), cu_seqlens
-
-
-def _mean_pool_triton_backward(plan, cu_seqlens, dout):
-    num_seqs, num_features = dout.shape
-    dx = triton_call(
+def _mean_pool_backward_rows(dout: Array, cu_seqlens: Array, plan: _Plan) -> Array:
+    rows, num_seqs, num_features = dout.shape
+    _check_rows(rows)
+    return triton_call(
         dout, cu_seqlens, num_seqs, plan.num_tokens,
         kernel=mean_pool_backward_kernel,
-        out_shape=jax.ShapeDtypeStruct((plan.num_tokens, num_features), dout.dtype),
-        grid=(cdiv(plan.num_tokens, plan.grad_tile_tokens) * cdiv(num_features, plan.block_hidden),),
+        out_shape=jax.ShapeDtypeStruct((rows, plan.num_tokens, num_features), dout.dtype),
+        grid=(cdiv(plan.num_tokens, plan.grad_tile_tokens) * cdiv(num_features, plan.block_hidden),
+              rows),
         num_warps=plan.num_warps, NUM_FEATURES=num_features, TILE_TOKENS=plan.grad_tile_tokens,
         SEARCH_STEPS=plan.search_steps, BLOCK_T=plan.block_tokens, BLOCK_D=plan.block_hidden,
     )
-    return dx, None
+
+
+def _folding(launch, plan):
+    """``launch(array, cu_seqlens, plan)`` as a function of the arrays, vmapped by folding."""
+    return vmap_by_folding(partial(launch, plan=plan), in_axes=(0, None), out_axes=0)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _mean_pool_triton(x3d: Array, cu_seqlens: Array, plan: _Plan) -> Array:
+    """Mean of the rows ``cu_seqlens[i]:cu_seqlens[i + 1]`` of each ``x3d[r]``, for each i."""
+    return _folding(_mean_pool_forward_rows, plan)(x3d, cu_seqlens)
+
+
+def _mean_pool_triton_forward(x3d, cu_seqlens, plan):
+    # The backward needs only where the sequences are (dout has x's dtype, plan its length).
+    return _mean_pool_triton(x3d, cu_seqlens, plan), cu_seqlens
+
+
+def _mean_pool_triton_backward(plan, cu_seqlens, dout):
+    return _folding(_mean_pool_backward_rows, plan)(dout, cu_seqlens), None
 
 
 _mean_pool_triton.defvjp(_mean_pool_triton_forward, _mean_pool_triton_backward)
@@ -508,37 +556,57 @@ class _BlockPlan(NamedTuple):
     tiles: _Plan           # BLOCK_T, and the backward's BLOCK_D and warps
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _block_pool_triton(x2d: Array, cu_seqlens: Array, block_index: Array, plan: _BlockPlan) -> Array:
-    num_tokens, num_features = x2d.shape
+def _block_pool_forward_rows(x3d: Array, cu_seqlens: Array, block_index: Array,
+                             plan: _BlockPlan) -> Array:
+    rows, num_tokens, num_features = x3d.shape
+    _check_rows(rows)
     num_blocks = block_index.shape[0]
     return triton_call(
-        x2d, block_index, cu_seqlens, plan.block_size, cu_seqlens.shape[0] - 1, num_tokens,
+        x3d, block_index, cu_seqlens, plan.block_size, num_blocks, cu_seqlens.shape[0] - 1,
+        num_tokens,
         kernel=block_pool_forward_kernel,
-        out_shape=jax.ShapeDtypeStruct((num_blocks, num_features), x2d.dtype),
-        grid=(num_blocks * cdiv(num_features, plan.block_hidden),),
+        out_shape=jax.ShapeDtypeStruct((rows, num_blocks, num_features), x3d.dtype),
+        grid=(num_blocks * cdiv(num_features, plan.block_hidden), rows),
         num_warps=plan.tiles.num_warps, NUM_FEATURES=num_features,
         BLOCK_T=plan.tiles.block_tokens, BLOCK_D=plan.block_hidden, NUM_STAGES=plan.num_stages,
     )
 
 
-def _block_pool_triton_forward(x2d, cu_seqlens, block_index, plan):
-    return _block_pool_triton(x2d, cu_seqlens, block_index, plan), (cu_seqlens, block_index)
+def _block_pool_backward_rows(dout: Array, cu_seqlens: Array, block_index: Array,
+                              plan: _BlockPlan) -> Array:
+    rows, num_blocks, num_features = dout.shape
+    _check_rows(rows)
+    num_tokens = plan.tiles.num_tokens
+    num_seqs = cu_seqlens.shape[0] - 1
+    return triton_call(
+        dout, block_index, cu_seqlens, plan.block_size, num_blocks, num_seqs, num_tokens,
+        kernel=block_pool_backward_kernel,
+        out_shape=jax.ShapeDtypeStruct((rows, num_tokens, num_features), dout.dtype),
+        grid=((num_blocks + plan.tail_programs) * cdiv(num_features, plan.tiles.block_hidden),
+              rows),
+        num_warps=plan.tiles.num_warps, NUM_FEATURES=num_features,
+        TAIL_TOKENS=plan.tail_tokens, BLOCK_T=plan.tiles.block_tokens, BLOCK_D=plan.tiles.block_hidden,
+    )
+
+
+def _block_folding(launch, plan):
+    # block_index is derived from cu_seqlens: both are shared by the rows, or the rule falls back.
+    return vmap_by_folding(partial(launch, plan=plan), in_axes=(0, None, None), out_axes=0)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _block_pool_triton(x3d: Array, cu_seqlens: Array, block_index: Array,
+                       plan: _BlockPlan) -> Array:
+    return _block_folding(_block_pool_forward_rows, plan)(x3d, cu_seqlens, block_index)
+
+
+def _block_pool_triton_forward(x3d, cu_seqlens, block_index, plan):
+    return _block_pool_triton(x3d, cu_seqlens, block_index, plan), (cu_seqlens, block_index)
 
 
 def _block_pool_triton_backward(plan, residuals, dout):
     cu_seqlens, block_index = residuals
-    num_blocks, num_features = dout.shape
-    num_tokens = plan.tiles.num_tokens
-    num_seqs = cu_seqlens.shape[0] - 1
-    dx = triton_call(
-        dout, block_index, cu_seqlens, plan.block_size, num_blocks, num_seqs, num_tokens,
-        kernel=block_pool_backward_kernel,
-        out_shape=jax.ShapeDtypeStruct((num_tokens, num_features), dout.dtype),
-        grid=((num_blocks + plan.tail_programs) * cdiv(num_features, plan.tiles.block_hidden),),
-        num_warps=plan.tiles.num_warps, NUM_FEATURES=num_features,
-        TAIL_TOKENS=plan.tail_tokens, BLOCK_T=plan.tiles.block_tokens, BLOCK_D=plan.tiles.block_hidden,
-    )
+    dx = _block_folding(_block_pool_backward_rows, plan)(dout, cu_seqlens, block_index)
     return dx, None, None
 
 
@@ -598,7 +666,8 @@ def mean_pooling(
     if impl == "xla":
         return _mean_pooling_xla(x, x2d, cu, padded).reshape(out_shape)
     plan = _plan(chunk_size, num_tokens, num_features, num_seqs, x.shape[1] if padded else None, tiling)
-    return _mean_pool_triton(x2d, sanitize_cu_seqlens(cu, num_tokens), plan).reshape(out_shape)
+    out = _mean_pool_triton(x2d[None], sanitize_cu_seqlens(cu, num_tokens), plan)
+    return out.reshape(out_shape)
 
 
 def block_mean_pooling(
@@ -685,7 +754,7 @@ def block_mean_pooling(
                     else min(_BLOCK_POOL_HIDDEN, max(16, _next_power_of_2(num_features))))
     num_stages = tiling.num_stages if tiling is not None and tiling.num_stages else 1
     plan = _BlockPlan(block_size, block_hidden, num_stages, tail_programs, tail_tokens, tiles)
-    return _block_pool_triton(x2d, cu, block_index, plan).reshape(out_shape)
+    return _block_pool_triton(x2d[None], cu, block_index, plan).reshape(out_shape)
 
 
 # ----------------------------------------------------------------------------------------------

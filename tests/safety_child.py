@@ -131,7 +131,7 @@ def run_kernels(op):
             return [cumsum._launch(x, cu, 4 if op == "local" else None, reverse, 1.0, False, f32)
                     for reverse in (False, True)]
     elif op in ("mean", "blocks"):
-        x = jnp.asarray(rng.standard_normal((T, 5)), f32)
+        x = jnp.asarray(rng.standard_normal((2, T, 5)), f32)  # two rows, as vmap folds them
         plan = pooling._plan(4, T, 5, 3, None, pooling.Tiling(tokens_per_program=4))
         block_plan = pooling._BlockPlan(4, 16, 1, 2, 8, plan)
 
@@ -143,16 +143,16 @@ def run_kernels(op):
                 out, vjp = jax.vjp(lambda a: pooling._block_pool_triton(a, cu, blocks, block_plan), x)
             return out, vjp(out)
     else:
-        x = jnp.asarray(rng.standard_normal((1, T, 2, 3)), f32)
+        x = jnp.asarray(rng.standard_normal((2, T, 2, 3)), f32)  # two rows, as vmap folds them
         blocks = rec._block_sizes(3, 3)
 
-        def launches(q, cu):  # the custom_vjp itself, without _recurrent_jit's sanitization
-            g = -jnp.abs(q[..., 0])
+        def launches(q, cu):  # the forward and backward launches, without _recurrent_jit's sanitization
+            args = (q, q, q, -jnp.abs(q[..., 0]), None, None, None, None, cu)
             results = []
             for reverse in (False, True):
-                out, vjp = jax.vjp(lambda q, g: rec._recurrent(0.5, reverse, blocks, q, q, q, g, None, None,
-                                                               None, None, cu), q, g)
-                results.append((out, vjp(out)))
+                o_parts, state = rec._forward_launch(0.5, reverse, blocks, *args)
+                results.append(rec._backward_launch(0.5, reverse, blocks, *args, o_parts[0].reshape(q.shape),
+                                                    state))
             return results
     launches = jax.jit(launches)
     for kind, cu in GARBAGE.items():
