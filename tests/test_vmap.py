@@ -73,9 +73,10 @@ def to64(x):
     return jnp.asarray(np.asarray(x), jnp.float64)
 
 
-def check(rng, op, reference, args, in_axes=0, extra_axis=None):
-    """vmap of ``op`` against the float64 ``reference`` per element: outputs, then the gradient
-    of a random weighted sum both ways round (vmap of grad, grad of vmap), then nested vmap.
+def check(rng, op, reference, args, in_axes=0):
+    """vmap of ``op`` against the float64 ``reference`` per element (and against a loop of the
+    unbatched ``op``): outputs, then the gradient of a random weighted sum both ways round (vmap
+    of grad, grad of vmap), then nested vmap; each time, the launches must be folded.
 
     ``args`` carry the mapped axis where ``in_axes`` says; ``reference`` takes one element."""
     in_axes = (in_axes,) * len(args) if isinstance(in_axes, int) or in_axes is None else tuple(in_axes)
@@ -97,6 +98,8 @@ def check(rng, op, reference, args, in_axes=0, extra_axis=None):
                                                       argnums=tuple(range(len(args))))(*map(to64, element(i, args)))]
                      for i in range(size)]
     assert rel_err(out, np.stack(refs)) < TOL
+    # The same kernels on the same rows: a Python loop of the unbatched op agrees to rounding.
+    assert rel_err(out, np.stack([np.asarray(op(*element(i, args))) for i in range(size)])) < 1e-6
 
     differentiable = tuple(range(len(args)))
     grads = jax.vmap(jax.grad(lambda w, *a: jnp.sum(w * op(*a)), argnums=tuple(d + 1 for d in differentiable)),
