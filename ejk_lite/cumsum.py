@@ -26,9 +26,11 @@ and ``[B, H, T, S]``. With ``cu_seqlens`` the batch must be 1 and its token axis
 sequences back to back (see :mod:`ejk_lite.packing`): global sums restart at each sequence; local
 chunks are counted from each sequence's first token, so a chunk never straddles two sequences and
 a sequence's last chunk may be short. Tokens past ``cu_seqlens[-1]`` belong to no sequence; their
-output (and gradient) is zero. Sums are accumulated in float32 whatever the input dtype; the
-output has the input dtype unless ``output_dtype`` says otherwise, and ``softmax_scale`` multiplies
-the sums before that final cast.
+output (and gradient) is zero. ``cu_seqlens`` may be traced under ``jax.jit``; its values cannot
+be checked then, and both implementations use the nearest valid packing instead
+(:func:`ejk_lite.packing.sanitize_cu_seqlens`): garbage offsets give wrong sums, never a crash.
+Sums are accumulated in float32 whatever the input dtype; the output has the input dtype unless
+``output_dtype`` says otherwise, and ``softmax_scale`` multiplies the sums before that final cast.
 
 Implementations (``impl=``):
 
@@ -37,7 +39,8 @@ Implementations (``impl=``):
   scans each block with ``tl.cumsum`` and carries the float32 running sum into the next block.
   Reverse sums read the segment backwards and scan forwards.
   The local kernel has one program per (chunk, column tile, row); the global kernel one per
-  (sequence, column tile, row). Every element is read once and written once.
+  (sequence, column tile, row). Every element is read once and written once. Under ``jax.vmap``
+  the mapped axis is folded into the rows: a batch is one launch.
 * ``"xla"``: plain ``jax.numpy``/``lax`` ops, differentiated by JAX itself.
 * ``"auto"``: Triton on a GPU, XLA otherwise (the interpreter is for testing, not for speed).
 
@@ -56,8 +59,15 @@ import triton
 import triton.language as tl
 from jax import lax
 
-from ejk_lite.launch import ON_GPU, triton_call
-from ejk_lite.packing import cdiv, prepare_chunk_indices, prepare_position_ids, validate_cu_seqlens
+from ejk_lite.checks import check_floating, static_float, static_int
+from ejk_lite.launch import ON_GPU, triton_call, vmap_by_folding
+from ejk_lite.packing import (
+    cdiv,
+    checked_cu_seqlens,
+    prepare_chunk_indices,
+    prepare_position_ids,
+    sanitize_cu_seqlens,
+)
 
 __all__ = ["chunk_local_cumsum", "chunk_global_cumsum", "reference_local_cumsum", "reference_global_cumsum"]
 
@@ -146,12 +156,15 @@ def chunk_local_cumsum_kernel(
     i_chunk = tl.program_id(0)
     row = tl.program_id(2).to(tl.int64) * T * C
     if IS_VARLEN:
-        seq = tl.load(chunk_indices_ptr + 2 * i_chunk)
+        # Every index loaded from memory is clamped before it addresses anything (the launch
+        # already hands over a valid packing; this is the second line of defence): whatever
+        # chunk_indices and cu_seqlens hold, 0 <= start <= end <= T.
+        seq = tl.minimum(tl.load(chunk_indices_ptr + 2 * i_chunk), num_seqs)
         chunk = tl.load(chunk_indices_ptr + 2 * i_chunk + 1)
         keep = seq < num_seqs  # the last "sequence" is the padding past cu_seqlens[-1]
-        bos = tl.load(cu_seqlens_ptr + tl.maximum(seq, 0))
-        eos = tl.load(cu_seqlens_ptr + tl.maximum(seq, 0) + 1)
-        start = bos + chunk * CHUNK
+        bos = tl.minimum(tl.maximum(tl.load(cu_seqlens_ptr + tl.maximum(seq, 0)), 0), T)
+        eos = tl.minimum(tl.maximum(tl.load(cu_seqlens_ptr + tl.maximum(seq, 0) + 1), bos), T)
+        start = tl.minimum(tl.maximum(bos + chunk * CHUNK, bos), eos)
         end = tl.where(seq >= 0, tl.minimum(start + CHUNK, eos), start)
     else:
         start = i_chunk * CHUNK
@@ -187,8 +200,9 @@ def chunk_global_cumsum_kernel(
     row = tl.program_id(2).to(tl.int64) * T * C
     if IS_VARLEN:
         seq = tl.program_id(0)
-        start = tl.load(cu_seqlens_ptr + seq)
-        end = tl.load(cu_seqlens_ptr + seq + 1)
+        # Clamped as in the local kernel: 0 <= start <= end <= T whatever cu_seqlens holds.
+        start = tl.minimum(tl.maximum(tl.load(cu_seqlens_ptr + seq), 0), T)
+        end = tl.minimum(tl.maximum(tl.load(cu_seqlens_ptr + seq + 1), start), T)
         keep = seq < num_seqs
     else:
         start = 0
@@ -217,13 +231,25 @@ def _kernel_view(x: jax.Array, head_first: bool) -> tuple[jax.Array, int, int, i
 
 
 def _launch(x, cu_seqlens, chunk_size, reverse, scale, head_first, out_dtype):
-    """Run the local kernel (``chunk_size`` given) or the global one (``None``) on ``x``."""
+    """Run the local kernel (``chunk_size`` given) or the global one (``None``) on ``x``.
+
+    Under ``jax.vmap`` the mapped axis is folded into the batch axis: the kernels' rows are
+    independent and share ``cu_seqlens``, so a batch of ``n`` inputs is one launch over ``n * B``
+    rows. A mapped ``cu_seqlens`` (each element its own packing) runs one launch per element.
+    """
+    run = functools.partial(_launch_rows, chunk_size=chunk_size, reverse=reverse, scale=scale,
+                            head_first=head_first, out_dtype=out_dtype)
+    return vmap_by_folding(run, in_axes=(0, None), out_axes=0)(x, cu_seqlens)
+
+
+def _launch_rows(x, cu_seqlens, *, chunk_size, reverse, scale, head_first, out_dtype):
     if x.size == 0:
         return jnp.zeros(x.shape, out_dtype)
     view, N, T, C, tokens_contiguous = _kernel_view(x, head_first)
     if N > _MAX_GRID_YZ:
-        raise ValueError(f"{N} rows (batch, or batch x heads when head_first with vectors) exceed the "
-                         f"grid limit of {_MAX_GRID_YZ}; use impl='xla'")
+        raise ValueError(f"{N} rows (batch, or batch x heads when head_first with vectors, times "
+                         f"the size of any vmapped axes) exceed the grid limit of {_MAX_GRID_YZ}; "
+                         f"use impl='xla'")
     if T * C >= 2**31:
         raise ValueError(f"one row of {T} tokens x {C} columns exceeds 2**31 elements; use impl='xla'")
     varlen = cu_seqlens is not None
@@ -409,10 +435,11 @@ def chunk_local_cumsum(g, chunk_size, reverse=False, softmax_scale=None, cu_seql
     Returns:
       An array shaped like ``g``; differentiable with respect to ``g``.
     """
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) \
-            or chunk_size <= 0 or chunk_size & (chunk_size - 1):
-        raise ValueError(f"chunk_size must be a positive power of two (a Python int), got {chunk_size!r}")
-    return _cumsum(g, "g", int(chunk_size), reverse, softmax_scale, cu_seqlens, head_first, output_dtype, impl)
+    chunk_size = static_int(chunk_size, "chunk_size", minimum=1)
+    if chunk_size & (chunk_size - 1):
+        raise ValueError(f"chunk_size must be a positive power of two, got {chunk_size!r}")
+    return _cumsum(g, "g", chunk_size, reverse, softmax_scale, cu_seqlens, head_first, output_dtype,
+                   impl)
 
 
 def chunk_global_cumsum(s, reverse=False, cu_seqlens=None, softmax_scale=None, head_first=False,
@@ -428,21 +455,12 @@ def chunk_global_cumsum(s, reverse=False, cu_seqlens=None, softmax_scale=None, h
 def _cumsum(x, name, chunk_size, reverse, softmax_scale, cu_seqlens, head_first, output_dtype, impl):
     if impl not in ("auto", "xla", "triton"):
         raise ValueError(f"impl must be 'auto', 'xla' or 'triton', got {impl!r}")
-    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-        raise ValueError(f"{name} must be an array, got {type(x).__name__}")
+    check_floating(x, name)
     x = jnp.asarray(x)
     if x.ndim not in (3, 4):
         layout = "[B, H, T] or [B, H, T, S]" if head_first else "[B, T, H] or [B, T, H, S]"
         raise ValueError(f"{name} must be {layout} (rank 3 or 4), got shape {x.shape}")
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise ValueError(f"{name} must have a floating dtype, got {x.dtype}")
-    if softmax_scale is None:
-        scale = 1.0
-    else:
-        try:
-            scale = float(softmax_scale)
-        except (TypeError, ValueError, jax.errors.ConcretizationTypeError) as error:
-            raise ValueError(f"softmax_scale must be a Python number or None, got {softmax_scale!r}") from error
+    scale = 1.0 if softmax_scale is None else static_float(softmax_scale, "softmax_scale")
     try:
         out_dtype = jnp.dtype(x.dtype if output_dtype is None else output_dtype)
     except TypeError as error:
@@ -451,8 +469,7 @@ def _cumsum(x, name, chunk_size, reverse, softmax_scale, cu_seqlens, head_first,
         raise ValueError(f"output_dtype must be a floating dtype, got {out_dtype}")
     T = x.shape[2 if head_first else 1]
     if cu_seqlens is not None:
-        cu_seqlens = jnp.asarray(cu_seqlens)
-        validate_cu_seqlens(cu_seqlens, total_tokens=T, name="cu_seqlens")
+        cu_seqlens = checked_cu_seqlens(cu_seqlens, T)  # values checked if concrete
         if x.shape[0] != 1:
             raise ValueError(f"cu_seqlens packs sequences along one batch entry: {name} must have batch "
                              f"size 1, got shape {x.shape}")
@@ -469,6 +486,10 @@ def _cumsum(x, name, chunk_size, reverse, softmax_scale, cu_seqlens, head_first,
 # shape and flags, instead of dispatching each small op on its own.
 @functools.partial(jax.jit, static_argnames=("chunk_size", "reverse", "scale", "head_first", "out_dtype", "impl"))
 def _checked_cumsum(x, cu_seqlens, *, chunk_size, reverse, scale, head_first, out_dtype, impl):
+    if cu_seqlens is not None:
+        # Traced values were not checked: both implementations see the nearest valid packing, so
+        # that no kernel can be sent outside x (and the two agree even on garbage).
+        cu_seqlens = sanitize_cu_seqlens(cu_seqlens, x.shape[2 if head_first else 1])
     if impl == "xla":
         return _xla_cumsum(x, cu_seqlens, chunk_size, reverse, scale, head_first, out_dtype)
     return _triton_cumsum(x, cu_seqlens, chunk_size, reverse, scale, head_first, out_dtype, x.dtype)

@@ -6,7 +6,8 @@
                       grid=(triton.cdiv(n, 1024),), BLOCK=1024)
 
 * positional arguments are the kernel's leading parameters, in order: JAX arrays become pointers,
-  Python ``int``/``float`` become scalar arguments;
+  Python ``int``/``float`` (and NumPy scalars, taken as the Python numbers they hold) become
+  scalar arguments;
 * one pointer per ``out_shape`` entry is appended **after** all positional arguments;
 * keywords that are not launch options are ``tl.constexpr`` meta-parameters;
 * ``grid`` is a tuple, or a callable that receives the meta-parameters and returns one.
@@ -15,7 +16,8 @@ On a machine with a CUDA GPU the call goes to jax-triton, which compiles the ker
 in the XLA program. On a machine without one, the *same* ``@triton.jit`` function runs in Triton's
 interpreter (``TRITON_INTERPRET=1``), called from inside the XLA program through
 ``jax.pure_callback``. Both paths compose with ``jax.jit`` and ``jax.custom_vjp``; neither has a
-JVP or batching rule of its own, so differentiable ops wrap their launches in ``custom_vjp``.
+JVP or batching rule of its own, so differentiable ops wrap their launches in ``custom_vjp``, and
+ops that support ``jax.vmap`` wrap them in :func:`vmap_by_folding` (or :func:`vmap_sequentially`).
 
 The interpreter path differs from the GPU in three deliberate ways:
 
@@ -87,6 +89,10 @@ def triton_call(
     ``out_shape`` is a ``jax.ShapeDtypeStruct`` (one output) or a list/tuple of them; the result
     has the same structure. See the module docstring for the argument convention.
     """
+    # A NumPy scalar (np.int64(8), what indexing a NumPy array gives) is a number, not an array:
+    # passed on as it is, it would become a pointer to one element.
+    args = tuple(a.item() if isinstance(a, np.generic) else a for a in args)
+    metaparams = {k: v.item() if isinstance(v, np.generic) else v for k, v in metaparams.items()}
     out_leaves, out_tree = jax.tree_util.tree_flatten(out_shape)
     for i, leaf in enumerate(out_leaves):
         if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
@@ -240,8 +246,8 @@ def vmap_sequentially(fn: Callable[..., Any]) -> Callable[..., Any]:
     Neither jax-triton's primitive nor the interpreter's ``pure_callback`` can be batched, so
     ``jax.vmap`` of a function that launches kernels fails without this. The rule runs ``fn`` once
     per element of the mapped axis (``lax.map``), with the unmapped arguments shared; outputs are
-    all mapped. Ops whose kernels have a batch axis of their own can fold the mapped axis into it
-    instead, which launches once.
+    all mapped. Ops whose kernels have a batch axis of their own fold the mapped axis into it
+    instead, which launches once: see :func:`vmap_by_folding`.
     """
 
     @jax.custom_batching.custom_vmap
@@ -250,16 +256,97 @@ def vmap_sequentially(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @mapped.def_vmap
     def rule(axis_size, in_batched, *args):
-        leaves, tree = jax.tree_util.tree_flatten(args)
-        flags = jax.tree_util.tree_leaves(in_batched)
-        batched = [leaf for leaf, flag in zip(leaves, flags) if flag]
-
-        def one(batched_leaves):
-            it = iter(batched_leaves)
-            merged = [next(it) if flag else leaf for leaf, flag in zip(leaves, flags)]
-            return fn(*jax.tree_util.tree_unflatten(tree, merged))
-
-        out = jax.lax.map(one, batched)
-        return out, jax.tree_util.tree_map(lambda _: True, out)
+        return _map_sequentially(mapped, args, in_batched)
 
     return mapped
+
+
+def _map_sequentially(fn, args, in_batched):
+    """``lax.map`` of ``fn`` over the batched leaves of ``args``: the body of a sequential rule."""
+    leaves, tree = jax.tree_util.tree_flatten(args)
+    flags = jax.tree_util.tree_leaves(in_batched)
+    batched = [leaf for leaf, flag in zip(leaves, flags) if flag]
+
+    def one(batched_leaves):
+        it = iter(batched_leaves)
+        merged = [next(it) if flag else leaf for leaf, flag in zip(leaves, flags)]
+        return fn(*jax.tree_util.tree_unflatten(tree, merged))
+
+    out = jax.lax.map(one, batched)
+    return out, jax.tree_util.tree_map(lambda _: True, out)
+
+
+def vmap_by_folding(
+    fn: Callable[..., Any],
+    in_axes: Sequence[int | None],
+    out_axes: int | Sequence[int | None],
+    prepare: Callable[[int, list[Any], list[bool]], tuple[list[Any], list[bool]]] | None = None,
+) -> Callable[..., Any]:
+    """Give ``fn`` (whose body launches kernels) a batching rule that launches *once*, folding
+    the mapped axis into an axis of independent rows that its kernels already have.
+
+    ``fn`` takes positional arguments, each an array or ``None``. ``in_axes[i]`` names the axis of
+    argument ``i`` that holds independent rows (a batch axis): under ``jax.vmap`` element ``j`` of
+    the mapped axis becomes rows ``j * d ... (j + 1) * d - 1`` of it, a reshape that copies nothing
+    when the axis is the leading one. An unmapped argument that has such an axis (one array for
+    every element) is broadcast along the mapped axis first, a copy. ``None`` marks an argument
+    every row shares (``cu_seqlens``, say): if it is mapped, the rows would differ in more than
+    their data and nothing can be folded; the rule then falls back to one call per element
+    (``lax.map``, as :func:`vmap_sequentially`). ``out_axes`` (one per output leaf, or one for
+    all) says where the rows of each output are; ``None`` marks an output that is the same for
+    every element (a stand-in), returned unmapped.
+
+    ``prepare(axis_size, args, batched)`` may rewrite the arguments before folding, to turn a
+    mapped argument that has no row axis into one that has (``recurrent`` adds a mapped per-head
+    decay into its per-token gates).
+
+    The rule calls the wrapped function again on the folded arguments, so nested ``vmap`` folds
+    every mapped axis into the same rows; it composes with ``jax.jit`` and, inside a
+    ``custom_vjp``'s forward and backward, with ``jax.grad``.
+    """
+    in_axes = tuple(in_axes)
+
+    @jax.custom_batching.custom_vmap
+    def mapped(*args):
+        return fn(*args)
+
+    @mapped.def_vmap
+    def rule(axis_size, in_batched, *args):
+        args, batched = list(args), [flag is True for flag in in_batched]
+        if prepare is not None:
+            args, batched = prepare(axis_size, args, batched)
+        if any(flag and axis is None for flag, axis in zip(batched, in_axes)):
+            flags = tuple(None if arg is None else flag for arg, flag in zip(args, batched))
+            return _map_sequentially(mapped, tuple(args), flags)
+        folded = [None if arg is None or axis is None else
+                  _fold(arg if flag else _broadcast(arg, axis_size), axis)
+                  for arg, flag, axis in zip(args, batched, in_axes)]
+        folded = [arg if f is None else f for arg, f in zip(args, folded)]
+        out = mapped(*folded)
+        leaves, tree = jax.tree_util.tree_flatten(out)
+        axes = [out_axes] * len(leaves) if isinstance(out_axes, int) else list(out_axes)
+        if len(axes) != len(leaves):
+            raise ValueError(f"vmap_by_folding: {len(axes)} out_axes for {len(leaves)} outputs")
+        leaves = [leaf if axis is None else _unfold(leaf, axis, axis_size)
+                  for leaf, axis in zip(leaves, axes)]
+        return (jax.tree_util.tree_unflatten(tree, leaves),
+                jax.tree_util.tree_unflatten(tree, [axis is not None for axis in axes]))
+
+    return mapped
+
+
+def _broadcast(x: Any, axis_size: int) -> Any:
+    return jnp.broadcast_to(x, (axis_size, *x.shape))
+
+
+def _fold(x: Any, axis: int) -> Any:
+    """``x`` with its leading (mapped) axis merged into ``axis`` of the rest, as the major part."""
+    n = x.shape[0]
+    x = jnp.moveaxis(x, 0, axis)
+    return x.reshape(*x.shape[:axis], n * x.shape[axis + 1], *x.shape[axis + 2:])
+
+
+def _unfold(x: Any, axis: int, n: int) -> Any:
+    """The inverse of :func:`_fold`: split ``n`` off the front of ``axis`` and move it first."""
+    x = x.reshape(*x.shape[:axis], n, x.shape[axis] // n, *x.shape[axis + 1:])
+    return jnp.moveaxis(x, axis, 0)

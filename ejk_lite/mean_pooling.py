@@ -57,6 +57,9 @@ memory bandwidth, and a good kernel is one that keeps enough loads in flight on 
 All accumulation is in float32, whatever the input dtype; outputs (and gradients) have the input's
 dtype. A zero-length sequence pools to zeros (its sum, 0, divided by max(n, 1)).
 
+Every kernel also takes a second grid axis of *rows*, independent copies of the problem sharing
+``cu_seqlens``: ``jax.vmap`` folds its mapped axis into them, so a batch is one launch.
+
 ``impl="xla"`` computes the same functions with plain ``jnp`` (a mean, or ``jax.ops.segment_sum``
 for packed input) and lets JAX differentiate them; ``reference`` and ``reference_blocks`` are
 deliberately naive loops that tests and the book check both against.
@@ -75,16 +78,17 @@ import triton
 import triton.language as tl
 from jax import Array
 
-from ejk_lite.launch import ON_GPU, triton_call
+from ejk_lite.checks import check_floating, concrete_value, static_int
+from ejk_lite.launch import ON_GPU, triton_call, vmap_by_folding
 from ejk_lite.packing import (
     cdiv,
-    concrete_value,
+    checked_cu_seqlens,
     prepare_chunk_indices,
     prepare_chunk_offsets,
     prepare_lens,
     prepare_position_ids,
     prepare_sequence_ids,
-    validate_cu_seqlens,
+    sanitize_cu_seqlens,
 )
 
 __all__ = ["mean_pooling", "block_mean_pooling", "reference", "reference_blocks", "Tiling"]
@@ -124,18 +128,21 @@ def _sequence_at(cu_seqlens_ptr, num_seqs, token, SEARCH_STEPS: tl.constexpr):
 
 @triton.jit
 def _work_item(NUM_FEATURES: tl.constexpr, BLOCK_D: tl.constexpr):
-    """This program's ``(item, feature tile)``; an item is a token tile, a sequence or a block.
+    """This program's ``(item, feature tile, row)``; an item is a token tile, a sequence or a
+    block.
 
-    The grid is one-dimensional, ``items * feature_tiles`` programs with the feature tile varying
-    fastest. The GPU starts programs roughly in id order, so the programs running side by side
-    read the *same rows* of ``x``, each its own ``BLOCK_D`` columns: together, whole contiguous
-    rows. With the item varying fastest instead, hundreds of programs would each read a narrow
-    column strip, rows ``F`` elements apart, which DRAM serves less well (measured on an H100: a
-    few points of bandwidth, forward and backward).
+    Grid axis 1 is the *row*: independent copies of the whole problem that share ``cu_seqlens``
+    (one, unless ``jax.vmap`` folded a mapped axis into it); the row comes back as an int64,
+    ready to scale a row stride. Grid axis 0 has ``items * feature_tiles`` programs with the
+    feature tile varying fastest. The GPU starts programs roughly in id order, so the programs
+    running side by side read the *same rows* of ``x``, each its own ``BLOCK_D`` columns:
+    together, whole contiguous rows. With the item varying fastest instead, hundreds of programs
+    would each read a narrow column strip, rows ``F`` elements apart, which DRAM serves less well
+    (measured on an H100: a few points of bandwidth, forward and backward).
     """
     feature_tiles: tl.constexpr = (NUM_FEATURES + BLOCK_D - 1) // BLOCK_D
     program = tl.program_id(0)
-    return program // feature_tiles, program % feature_tiles
+    return program // feature_tiles, program % feature_tiles, tl.program_id(1).to(tl.int64)
 
 
 @triton.jit
@@ -188,7 +195,10 @@ def mean_pool_pieces_kernel(
 
     Sequences that lie inside one tile are left whole to ``mean_pool_finish_kernel``.
     """
-    tile, d_tile = _work_item(NUM_FEATURES, BLOCK_D)
+    tile, d_tile, row = _work_item(NUM_FEATURES, BLOCK_D)
+    num_tiles = (num_tokens + TILE_TOKENS - 1) // TILE_TOKENS
+    x_ptr += row * num_tokens * NUM_FEATURES
+    pieces_ptr += row * (2 * num_tiles) * NUM_FEATURES
     cols = d_tile * BLOCK_D + tl.arange(0, BLOCK_D)
     col_mask = cols < NUM_FEATURES
     tile_start = tile * TILE_TOKENS
@@ -215,7 +225,7 @@ def mean_pool_pieces_kernel(
 
 @triton.jit
 def mean_pool_finish_kernel(
-    x_ptr, pieces_ptr, cu_seqlens_ptr, num_tokens,
+    x_ptr, pieces_ptr, cu_seqlens_ptr, num_seqs, num_tokens,
     out_ptr,
     NUM_FEATURES: tl.constexpr, TILE_TOKENS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_P: tl.constexpr, NUM_STAGES: tl.constexpr,
@@ -226,7 +236,11 @@ def mean_pool_finish_kernel(
     ``first..last`` adds its pieces: ``pieces[2 first + 1]`` and ``pieces[2 j]`` for the tiles
     after, ``BLOCK_P`` at a time. An empty sequence sums nothing and gets zeros.
     """
-    seq, d_tile = _work_item(NUM_FEATURES, BLOCK_D)
+    seq, d_tile, row = _work_item(NUM_FEATURES, BLOCK_D)
+    num_tiles = (num_tokens + TILE_TOKENS - 1) // TILE_TOKENS
+    x_ptr += row * num_tokens * NUM_FEATURES
+    pieces_ptr += row * (2 * num_tiles) * NUM_FEATURES
+    out_ptr += row * num_seqs * NUM_FEATURES
     cols = d_tile * BLOCK_D + tl.arange(0, BLOCK_D)
     col_mask = cols < NUM_FEATURES
     start = _boundary(cu_seqlens_ptr, seq, num_tokens)
@@ -263,7 +277,9 @@ def mean_pool_backward_kernel(
     ``dout`` row (read once, divided by the length) over the overlap; then zeros over the tokens
     after ``cu_seqlens[-1]``, which belong to no sequence.
     """
-    tile, d_tile = _work_item(NUM_FEATURES, BLOCK_D)
+    tile, d_tile, row = _work_item(NUM_FEATURES, BLOCK_D)
+    dout_ptr += row * num_seqs * NUM_FEATURES
+    dx_ptr += row * num_tokens * NUM_FEATURES
     cols = d_tile * BLOCK_D + tl.arange(0, BLOCK_D)
     col_mask = cols < NUM_FEATURES
     tile_start = tile * TILE_TOKENS
@@ -286,31 +302,39 @@ def mean_pool_backward_kernel(
 
 
 @triton.jit
-def _block_bounds(block_index_ptr, cu_seqlens_ptr, block, block_size, num_tokens):
-    """Rows ``[start, end)`` of block ``block``: row ``block`` of ``prepare_chunk_indices`` is
-    ``(sequence, chunk within it)``, or ``(-1, -1)`` past the last block (then ``start == end``)."""
+def _block_bounds(block_index_ptr, cu_seqlens_ptr, block, block_size, num_seqs, num_tokens):
+    """Rows ``[start, end)`` of block ``block`` and whether it is a real block: row ``block`` of
+    ``prepare_chunk_indices`` is ``(sequence, chunk within it)``, or ``(-1, -1)`` past the last
+    block (then ``start == end == 0``). The row is read from memory, so it is trusted with no
+    address: a sequence outside ``[0, num_seqs)`` reads nothing, and the block is clamped into its
+    sequence, whatever ``chunk`` says."""
     seq = tl.load(block_index_ptr + 2 * block)
     chunk = tl.load(block_index_ptr + 2 * block + 1)
-    seq_start = _boundary(cu_seqlens_ptr, tl.maximum(seq, 0), num_tokens)
-    seq_end = tl.maximum(_boundary(cu_seqlens_ptr, tl.maximum(seq, 0) + 1, num_tokens), seq_start)
-    start = tl.minimum(seq_start + chunk * block_size, seq_end)
+    valid = (seq >= 0) & (seq < num_seqs)
+    seq_start = tl.load(cu_seqlens_ptr + seq, mask=valid, other=0)
+    seq_end = tl.load(cu_seqlens_ptr + seq + 1, mask=valid, other=0)
+    seq_start = tl.minimum(tl.maximum(seq_start, 0), num_tokens)
+    seq_end = tl.minimum(tl.maximum(seq_end, seq_start), num_tokens)
+    start = tl.minimum(tl.maximum(seq_start + chunk * block_size, seq_start), seq_end)
     end = tl.minimum(start + block_size, seq_end)
-    valid = seq >= 0
-    return tl.where(valid, start, 0), tl.where(valid, end, 0)
+    return tl.where(valid, start, 0), tl.where(valid, end, 0), valid
 
 
 @triton.jit
 def block_pool_forward_kernel(
-    x_ptr, block_index_ptr, cu_seqlens_ptr, block_size, num_tokens,
+    x_ptr, block_index_ptr, cu_seqlens_ptr, block_size, num_blocks, num_seqs, num_tokens,
     out_ptr,
     NUM_FEATURES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """Grid ``(num_blocks, cdiv(F, BLOCK_D))``: the mean of one block, divided by its own length."""
-    block, d_tile = _work_item(NUM_FEATURES, BLOCK_D)
+    block, d_tile, row = _work_item(NUM_FEATURES, BLOCK_D)
+    x_ptr += row * num_tokens * NUM_FEATURES
+    out_ptr += row * num_blocks * NUM_FEATURES
     cols = d_tile * BLOCK_D + tl.arange(0, BLOCK_D)
     col_mask = cols < NUM_FEATURES
 
-    start, end = _block_bounds(block_index_ptr, cu_seqlens_ptr, block, block_size, num_tokens)
+    start, end, _ = _block_bounds(block_index_ptr, cu_seqlens_ptr, block, block_size, num_seqs,
+                                  num_tokens)
     mean = _sum_rows(x_ptr, start, end, NUM_FEATURES, cols, col_mask, BLOCK_T, BLOCK_D, NUM_STAGES)
     mean = mean / tl.maximum(end - start, 1)
     tl.store(out_ptr + block.to(tl.int64) * NUM_FEATURES + cols, mean.to(out_ptr.dtype.element_ty), mask=col_mask)
@@ -329,19 +353,24 @@ def block_pool_backward_kernel(
     zeros over the rest, ``TAIL_TOKENS`` rows each: the tokens after ``cu_seqlens[-1]``, and any
     blocks a too-small ``total_blocks`` left out.
     """
-    program, d_tile = _work_item(NUM_FEATURES, BLOCK_D)
+    program, d_tile, row = _work_item(NUM_FEATURES, BLOCK_D)
+    dout_ptr += row * num_blocks * NUM_FEATURES
+    dx_ptr += row * num_tokens * NUM_FEATURES
     cols = d_tile * BLOCK_D + tl.arange(0, BLOCK_D)
     col_mask = cols < NUM_FEATURES
 
     if program < num_blocks:
-        start, end = _block_bounds(block_index_ptr, cu_seqlens_ptr, program, block_size, num_tokens)
+        start, end, _ = _block_bounds(block_index_ptr, cu_seqlens_ptr, program, block_size,
+                                      num_seqs, num_tokens)
         dout = tl.load(dout_ptr + program.to(tl.int64) * NUM_FEATURES + cols, mask=col_mask, other=0.0)
         grad = dout.to(tl.float32) / tl.maximum(end - start, 1)
     else:
         # The last listed block ends the covered range; if it is a (-1, -1) filler row, every
         # block was listed and the last sequence ends it.
-        _, last_end = _block_bounds(block_index_ptr, cu_seqlens_ptr, num_blocks - 1, block_size, num_tokens)
-        last_is_real = tl.load(block_index_ptr + 2 * (num_blocks - 1)) >= 0
+        # (No `_` here: compiled Triton wants a name bound in both branches of an `if` to keep
+        # one type, and `_` is the bool `valid` in the other branch, an int here.)
+        last_start, last_end, last_is_real = _block_bounds(
+            block_index_ptr, cu_seqlens_ptr, num_blocks - 1, block_size, num_seqs, num_tokens)
         covered = tl.where(last_is_real, last_end, _boundary(cu_seqlens_ptr, num_seqs, num_tokens))
         start = tl.minimum(covered + (program - num_blocks) * TAIL_TOKENS, num_tokens)
         end = tl.minimum(start + TAIL_TOKENS, num_tokens)
@@ -398,6 +427,7 @@ _PIECES_PER_STEP = 16      # BLOCK_P
 # block_mean_pooling's forward: a program pools one block, too short a loop to pipeline, so it
 # takes a wider slice of features instead to keep as many bytes in flight.
 _BLOCK_POOL_HIDDEN = 512
+_MAX_GRID_Y = 65535  # CUDA's limit on the 2nd grid dimension: the rows
 
 
 def _next_power_of_2(n: int) -> int:
@@ -438,47 +468,75 @@ def _plan(chunk_size: int, num_tokens: int, num_features: int, num_seqs: int, se
 # ----------------------------------------------------------------------------------------------
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _mean_pool_triton(x2d: Array, cu_seqlens: Array, plan: _Plan) -> Array:
-    """Mean of the rows ``cu_seqlens[i]:cu_seqlens[i + 1]`` of ``x2d`` ``(tokens, F)``, for each i."""
-    num_tokens, num_features = x2d.shape
+# Every launch below takes ``rows`` independent copies of the problem, ``x3d`` of shape
+# ``(rows, tokens, F)`` sharing ``cu_seqlens`` (grid axis 1, see ``_work_item``). The public
+# functions pass one row; ``jax.vmap`` folds its mapped axis into the rows (``vmap_by_folding``),
+# so a batch of inputs is one launch, not one per element. A mapped ``cu_seqlens`` gives each
+# element its own packing: then the launches run one element at a time.
+
+
+def _check_rows(rows: int) -> None:
+    if rows > _MAX_GRID_Y:
+        raise ValueError(f"{rows} rows (the sizes of the vmapped axes multiplied) exceed the grid "
+                         f"limit of {_MAX_GRID_Y}; use impl='xla'")
+
+
+def _mean_pool_forward_rows(x3d: Array, cu_seqlens: Array, plan: _Plan) -> Array:
+    rows, num_tokens, num_features = x3d.shape
+    _check_rows(rows)
     num_seqs = cu_seqlens.shape[0] - 1
     tiles = (cdiv(num_tokens, plan.tile_tokens), cdiv(num_features, plan.block_hidden))
     common = dict(num_warps=plan.num_warps, NUM_FEATURES=num_features, TILE_TOKENS=plan.tile_tokens,
                   BLOCK_T=plan.block_tokens, BLOCK_D=plan.block_hidden, NUM_STAGES=plan.num_stages)
     if plan.has_pieces:
         pieces = triton_call(
-            x2d, cu_seqlens, num_seqs, num_tokens,
+            x3d, cu_seqlens, num_seqs, num_tokens,
             kernel=mean_pool_pieces_kernel,
-            out_shape=jax.ShapeDtypeStruct((2 * tiles[0], num_features), jnp.float32),
-            grid=(tiles[0] * tiles[1],), SEARCH_STEPS=plan.search_steps, **common,
+            out_shape=jax.ShapeDtypeStruct((rows, 2 * tiles[0], num_features), jnp.float32),
+            grid=(tiles[0] * tiles[1], rows), SEARCH_STEPS=plan.search_steps, **common,
         )
     else:
-        pieces = x2d  # never read: no sequence crosses a tile edge
+        pieces = x3d  # never read: no sequence crosses a tile edge
     return triton_call(
-        x2d, pieces, cu_seqlens, num_tokens,
+        x3d, pieces, cu_seqlens, num_seqs, num_tokens,
         kernel=mean_pool_finish_kernel,
-        out_shape=jax.ShapeDtypeStruct((num_seqs, num_features), x2d.dtype),
-        grid=(num_seqs * tiles[1],), BLOCK_P=_PIECES_PER_STEP, **common,
+        out_shape=jax.ShapeDtypeStruct((rows, num_seqs, num_features), x3d.dtype),
+        grid=(num_seqs * tiles[1], rows), BLOCK_P=_PIECES_PER_STEP, **common,
     )
 
 
-def _mean_pool_triton_forward(x2d, cu_seqlens, plan):
-    # The backward needs only where the sequences are (dout has x's dtype, plan its length).
-    return _mean_pool_triton(x2d, cu_seqlens, plan), cu_seqlens
-
-
-def _mean_pool_triton_backward(plan, cu_seqlens, dout):
-    num_seqs, num_features = dout.shape
-    dx = triton_call(
+def _mean_pool_backward_rows(dout: Array, cu_seqlens: Array, plan: _Plan) -> Array:
+    rows, num_seqs, num_features = dout.shape
+    _check_rows(rows)
+    return triton_call(
         dout, cu_seqlens, num_seqs, plan.num_tokens,
         kernel=mean_pool_backward_kernel,
-        out_shape=jax.ShapeDtypeStruct((plan.num_tokens, num_features), dout.dtype),
-        grid=(cdiv(plan.num_tokens, plan.grad_tile_tokens) * cdiv(num_features, plan.block_hidden),),
+        out_shape=jax.ShapeDtypeStruct((rows, plan.num_tokens, num_features), dout.dtype),
+        grid=(cdiv(plan.num_tokens, plan.grad_tile_tokens) * cdiv(num_features, plan.block_hidden),
+              rows),
         num_warps=plan.num_warps, NUM_FEATURES=num_features, TILE_TOKENS=plan.grad_tile_tokens,
         SEARCH_STEPS=plan.search_steps, BLOCK_T=plan.block_tokens, BLOCK_D=plan.block_hidden,
     )
-    return dx, None
+
+
+def _folding(launch, plan):
+    """``launch(array, cu_seqlens, plan)`` as a function of the arrays, vmapped by folding."""
+    return vmap_by_folding(partial(launch, plan=plan), in_axes=(0, None), out_axes=0)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _mean_pool_triton(x3d: Array, cu_seqlens: Array, plan: _Plan) -> Array:
+    """Mean of the rows ``cu_seqlens[i]:cu_seqlens[i + 1]`` of each ``x3d[r]``, for each i."""
+    return _folding(_mean_pool_forward_rows, plan)(x3d, cu_seqlens)
+
+
+def _mean_pool_triton_forward(x3d, cu_seqlens, plan):
+    # The backward needs only where the sequences are (dout has x's dtype, plan its length).
+    return _mean_pool_triton(x3d, cu_seqlens, plan), cu_seqlens
+
+
+def _mean_pool_triton_backward(plan, cu_seqlens, dout):
+    return _folding(_mean_pool_backward_rows, plan)(dout, cu_seqlens), None
 
 
 _mean_pool_triton.defvjp(_mean_pool_triton_forward, _mean_pool_triton_backward)
@@ -498,37 +556,57 @@ class _BlockPlan(NamedTuple):
     tiles: _Plan           # BLOCK_T, and the backward's BLOCK_D and warps
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _block_pool_triton(x2d: Array, cu_seqlens: Array, block_index: Array, plan: _BlockPlan) -> Array:
-    num_tokens, num_features = x2d.shape
+def _block_pool_forward_rows(x3d: Array, cu_seqlens: Array, block_index: Array,
+                             plan: _BlockPlan) -> Array:
+    rows, num_tokens, num_features = x3d.shape
+    _check_rows(rows)
     num_blocks = block_index.shape[0]
     return triton_call(
-        x2d, block_index, cu_seqlens, plan.block_size, num_tokens,
+        x3d, block_index, cu_seqlens, plan.block_size, num_blocks, cu_seqlens.shape[0] - 1,
+        num_tokens,
         kernel=block_pool_forward_kernel,
-        out_shape=jax.ShapeDtypeStruct((num_blocks, num_features), x2d.dtype),
-        grid=(num_blocks * cdiv(num_features, plan.block_hidden),),
+        out_shape=jax.ShapeDtypeStruct((rows, num_blocks, num_features), x3d.dtype),
+        grid=(num_blocks * cdiv(num_features, plan.block_hidden), rows),
         num_warps=plan.tiles.num_warps, NUM_FEATURES=num_features,
         BLOCK_T=plan.tiles.block_tokens, BLOCK_D=plan.block_hidden, NUM_STAGES=plan.num_stages,
     )
 
 
-def _block_pool_triton_forward(x2d, cu_seqlens, block_index, plan):
-    return _block_pool_triton(x2d, cu_seqlens, block_index, plan), (cu_seqlens, block_index)
+def _block_pool_backward_rows(dout: Array, cu_seqlens: Array, block_index: Array,
+                              plan: _BlockPlan) -> Array:
+    rows, num_blocks, num_features = dout.shape
+    _check_rows(rows)
+    num_tokens = plan.tiles.num_tokens
+    num_seqs = cu_seqlens.shape[0] - 1
+    return triton_call(
+        dout, block_index, cu_seqlens, plan.block_size, num_blocks, num_seqs, num_tokens,
+        kernel=block_pool_backward_kernel,
+        out_shape=jax.ShapeDtypeStruct((rows, num_tokens, num_features), dout.dtype),
+        grid=((num_blocks + plan.tail_programs) * cdiv(num_features, plan.tiles.block_hidden),
+              rows),
+        num_warps=plan.tiles.num_warps, NUM_FEATURES=num_features,
+        TAIL_TOKENS=plan.tail_tokens, BLOCK_T=plan.tiles.block_tokens, BLOCK_D=plan.tiles.block_hidden,
+    )
+
+
+def _block_folding(launch, plan):
+    # block_index is derived from cu_seqlens: both are shared by the rows, or the rule falls back.
+    return vmap_by_folding(partial(launch, plan=plan), in_axes=(0, None, None), out_axes=0)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _block_pool_triton(x3d: Array, cu_seqlens: Array, block_index: Array,
+                       plan: _BlockPlan) -> Array:
+    return _block_folding(_block_pool_forward_rows, plan)(x3d, cu_seqlens, block_index)
+
+
+def _block_pool_triton_forward(x3d, cu_seqlens, block_index, plan):
+    return _block_pool_triton(x3d, cu_seqlens, block_index, plan), (cu_seqlens, block_index)
 
 
 def _block_pool_triton_backward(plan, residuals, dout):
     cu_seqlens, block_index = residuals
-    num_blocks, num_features = dout.shape
-    num_tokens = plan.tiles.num_tokens
-    num_seqs = cu_seqlens.shape[0] - 1
-    dx = triton_call(
-        dout, block_index, cu_seqlens, plan.block_size, num_blocks, num_seqs, num_tokens,
-        kernel=block_pool_backward_kernel,
-        out_shape=jax.ShapeDtypeStruct((num_tokens, num_features), dout.dtype),
-        grid=((num_blocks + plan.tail_programs) * cdiv(num_features, plan.tiles.block_hidden),),
-        num_warps=plan.tiles.num_warps, NUM_FEATURES=num_features,
-        TAIL_TOKENS=plan.tail_tokens, BLOCK_T=plan.tiles.block_tokens, BLOCK_D=plan.tiles.block_hidden,
-    )
+    dx = _block_folding(_block_pool_backward_rows, plan)(dout, cu_seqlens, block_index)
     return dx, None, None
 
 
@@ -561,7 +639,8 @@ def mean_pooling(
       cu_seqlens: ``[0, len_0, len_0 + len_1, ...]`` (int), sequence ``i`` being the tokens
         ``cu_seqlens[i]:cu_seqlens[i + 1]``. Tokens at or past ``cu_seqlens[-1]`` belong to no
         sequence: ignored, with zero gradient. Its values are checked when they are concrete;
-        under ``jax.jit`` they are trusted (the kernels clip them to the tokens of ``x``).
+        under ``jax.jit`` they cannot be, and invalid ones are replaced by the nearest valid
+        packing (:func:`ejk_lite.packing.sanitize_cu_seqlens`): wrong numbers, never a crash.
       impl: ``"triton"``, ``"xla"`` (plain ``jnp``) or ``"auto"`` (Triton on a GPU, else XLA).
       tiling: optional :class:`Tiling` for the Triton kernels (benchmarks sweep it).
 
@@ -576,8 +655,8 @@ def mean_pooling(
     """
     impl = _resolve_impl(impl, x)
     x = jnp.asarray(x)
-    _check_positive_int(chunk_size, "chunk_size")
-    _check_tiling(tiling)
+    chunk_size = static_int(chunk_size, "chunk_size", minimum=1)
+    tiling = _check_tiling(tiling)
     x2d, cu, rest, padded = _as_packed(x, cu_seqlens, "mean_pooling")
     num_tokens, num_features = x2d.shape
     num_seqs = cu.shape[0] - 1
@@ -587,7 +666,8 @@ def mean_pooling(
     if impl == "xla":
         return _mean_pooling_xla(x, x2d, cu, padded).reshape(out_shape)
     plan = _plan(chunk_size, num_tokens, num_features, num_seqs, x.shape[1] if padded else None, tiling)
-    return _mean_pool_triton(x2d, jnp.asarray(cu, jnp.int32), plan).reshape(out_shape)
+    out = _mean_pool_triton(x2d[None], sanitize_cu_seqlens(cu, num_tokens), plan)
+    return out.reshape(out_shape)
 
 
 def block_mean_pooling(
@@ -629,9 +709,11 @@ def block_mean_pooling(
     """
     impl = _resolve_impl(impl, x)
     x = jnp.asarray(x)
-    _check_positive_int(block_size, "block_size")
-    _check_positive_int(chunk_size, "chunk_size")
-    _check_tiling(tiling)
+    block_size = static_int(block_size, "block_size", minimum=1)
+    chunk_size = static_int(chunk_size, "chunk_size", minimum=1)
+    if total_blocks is not None:
+        total_blocks = static_int(total_blocks, "total_blocks")
+    tiling = _check_tiling(tiling)
     x2d, cu, rest, padded = _as_packed(x, cu_seqlens, "block_mean_pooling")
     num_tokens, num_features = x2d.shape
     num_seqs = cu.shape[0] - 1
@@ -652,9 +734,10 @@ def block_mean_pooling(
     if impl == "xla":
         return _block_mean_pooling_xla(x, x2d, cu, block_size, total_blocks, padded).reshape(out_shape)
 
-    # The block list: concrete (a constant) whenever cu_seqlens is.
+    # The block list: concrete (a constant) whenever cu_seqlens is. Both come from the sanitized
+    # offsets (unchanged if valid), so the kernels never see an invalid packing.
     with jax.ensure_compile_time_eval():
-        cu = jnp.asarray(cu, jnp.int32)
+        cu = sanitize_cu_seqlens(cu, num_tokens)
         block_index = prepare_chunk_indices(cu, block_size, total_chunks=total_blocks)
 
     tiles = _plan(min(chunk_size, block_size), num_tokens, num_features, num_seqs, None, tiling)
@@ -671,7 +754,7 @@ def block_mean_pooling(
                     else min(_BLOCK_POOL_HIDDEN, max(16, _next_power_of_2(num_features))))
     num_stages = tiling.num_stages if tiling is not None and tiling.num_stages else 1
     plan = _BlockPlan(block_size, block_hidden, num_stages, tail_programs, tail_tokens, tiles)
-    return _block_pool_triton(x2d, cu, block_index, plan).reshape(out_shape)
+    return _block_pool_triton(x2d[None], cu, block_index, plan).reshape(out_shape)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -683,7 +766,7 @@ def _mean_pooling_xla(x: Array, x2d: Array, cu: Any, padded: bool) -> Array:
     if padded:
         return jnp.mean(x, axis=1, dtype=jnp.float32).astype(x.dtype)
     num_tokens = x2d.shape[0]
-    cu = jnp.asarray(cu)
+    cu = sanitize_cu_seqlens(cu, num_tokens)  # as the kernels see it: the same answer on garbage
     seq_ids = prepare_sequence_ids(cu, total_tokens=num_tokens)  # -1 past cu_seqlens[-1]: dropped
     sums = jax.ops.segment_sum(x2d.astype(jnp.float32), seq_ids, num_segments=cu.shape[0] - 1)
     lens = jnp.maximum(prepare_lens(cu), 1).astype(jnp.float32)
@@ -699,7 +782,7 @@ def _block_mean_pooling_xla(x, x2d, cu, block_size, total_blocks, padded) -> Arr
         lens = np.minimum(block_size, seq_len - block_size * np.arange(blocks))  # static
         return (x4.sum(axis=2) / lens[None, :, None].astype(np.float32)).astype(x.dtype)
     num_tokens = x2d.shape[0]
-    cu = jnp.asarray(cu)
+    cu = sanitize_cu_seqlens(cu, num_tokens)  # as the kernels see it: the same answer on garbage
     seq_ids = prepare_sequence_ids(cu, total_tokens=num_tokens)
     positions = prepare_position_ids(cu, total_tokens=num_tokens)
     offsets = prepare_chunk_offsets(cu, block_size)
@@ -756,17 +839,11 @@ def _resolve_impl(impl: str, x: Any) -> str:
         raise ValueError(f"impl must be 'auto', 'xla' or 'triton', got {impl!r}")
     if impl == "auto":
         impl = "triton" if ON_GPU else "xla"
-    dtype = getattr(x, "dtype", None)
-    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-        raise ValueError(f"x must be a floating-point array, got dtype {dtype}")
+    check_floating(x, "x")
+    dtype = x.dtype
     if impl == "triton" and jnp.dtype(dtype) not in (jnp.float16, jnp.bfloat16, jnp.float32):
         raise ValueError(f"impl='triton' takes float16, bfloat16 or float32 x, got {dtype}; use impl='xla'")
     return impl
-
-
-def _check_positive_int(value: Any, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 def _as_packed(x: Array, cu_seqlens: Any, fn: str) -> tuple[Array, Any, tuple[int, ...], bool]:
@@ -784,10 +861,8 @@ def _as_packed(x: Array, cu_seqlens: Any, fn: str) -> tuple[Array, Any, tuple[in
     if x.ndim >= 3 and x.shape[0] == 1:
         raise ValueError(f"{fn}: with cu_seqlens, x must be packed (total_tokens, hidden, ...) with no batch "
                          f"axis, got shape {x.shape}; pass x[0]")
-    validate_cu_seqlens(cu_seqlens, total_tokens=x.shape[0], name="cu_seqlens")
+    cu = checked_cu_seqlens(cu_seqlens, x.shape[0])  # values checked if concrete
     rest = x.shape[1:]
-    values = concrete_value(cu_seqlens)
-    cu = values.astype(np.int32) if values is not None else cu_seqlens.astype(jnp.int32)
     return x.reshape(x.shape[0], math.prod(rest)), cu, rest, False
 
 
@@ -797,33 +872,27 @@ def _count_blocks(cu: Any, block_size: int, total_blocks: int | None) -> int:
         if total_blocks is None:
             raise ValueError("block_mean_pooling: the number of blocks depends on the values of cu_seqlens, "
                              "which are not known under jax.jit; pass it as a static argument total_blocks=...")
-        _check_non_negative_int(total_blocks, "total_blocks")
-        return int(total_blocks)
+        return total_blocks
     true_count = int(cdiv(np.diff(values.astype(np.int64)), block_size).sum())
     if total_blocks is None:
         return true_count
-    _check_non_negative_int(total_blocks, "total_blocks")
     if total_blocks < true_count:
         raise ValueError(f"total_blocks={total_blocks} is fewer than the {true_count} blocks cu_seqlens makes "
                          f"with block_size={block_size}")
-    return int(total_blocks)
+    return total_blocks
 
 
-def _check_tiling(tiling: Any) -> None:
+def _check_tiling(tiling: Any) -> Tiling | None:
+    """``tiling`` with every field a Python int (or None), or a ValueError naming the field."""
     if tiling is None:
-        return
+        return None
     if not isinstance(tiling, Tiling):
         raise ValueError(f"tiling must be a Tiling or None, got {tiling!r}")
-    for name in ("block_hidden", "num_warps"):
-        value = getattr(tiling, name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))
-                                  or value <= 0 or value & (value - 1)):
-            raise ValueError(f"tiling.{name} must be a power of two, got {value!r}")
-    for name in ("tokens_per_program", "num_stages"):
-        if getattr(tiling, name) is not None:
-            _check_positive_int(getattr(tiling, name), f"tiling.{name}")
-
-
-def _check_non_negative_int(value: Any, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    fields = {}
+    for name, value in tiling._asdict().items():
+        if value is not None:
+            value = static_int(value, f"tiling.{name}", minimum=1)
+            if name in ("block_hidden", "num_warps") and value & (value - 1):
+                raise ValueError(f"tiling.{name} must be a power of two, got {value!r}")
+        fields[name] = value
+    return Tiling(**fields)

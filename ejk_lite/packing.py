@@ -23,7 +23,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import Array
+from jax import Array, lax
+
+from ejk_lite.checks import concrete_value, static_int
+
+# Kernels index tokens with int32; offsets beyond it cannot describe a real array anyway.
+INT32_MAX = 2**31 - 1
 
 
 def cdiv(a: Any, b: int) -> Any:
@@ -31,19 +36,14 @@ def cdiv(a: Any, b: int) -> Any:
     return (a + b - 1) // b
 
 
-def concrete_value(x: Any) -> np.ndarray | None:
-    """``x`` as a NumPy array when its value is known now, ``None`` while it is being traced."""
-    try:
-        return np.asarray(x)
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        return None
-
-
 def validate_cu_seqlens(cu_seqlens: Any, total_tokens: int | None = None, name: str = "cu_seqlens") -> None:
     """Raise ``ValueError`` (naming ``name``) unless ``cu_seqlens`` is a valid packing.
 
-    Shape and dtype are always checked. Values are checked when they are concrete (not traced):
-    starts at 0, never decreases, and ends at or before ``total_tokens`` when that is given.
+    Shape and dtype are always checked: 1-D, any integer dtype (signed or unsigned, 8 to 64
+    bits). Values are checked when they are concrete (not traced): starts at 0, never decreases,
+    fits in int32 and ends at or before ``total_tokens`` when that is given. Check the array as
+    the caller gave it, before ``jnp.asarray``: with 64-bit types off, that silently wraps int64
+    values into int32.
     """
     if not hasattr(cu_seqlens, "shape") or len(cu_seqlens.shape) != 1 or cu_seqlens.shape[0] < 1:
         raise ValueError(f"{name} must be a 1-D array [0, len_0, len_0 + len_1, ...], "
@@ -55,18 +55,63 @@ def validate_cu_seqlens(cu_seqlens: Any, total_tokens: int | None = None, name: 
         return
     if values[0] != 0:
         raise ValueError(f"{name} must start at 0, got {values[0]}")
-    if np.any(np.diff(values) < 0):
+    # Compare neighbours, never subtract them: in an unsigned dtype a decrease wraps around to a
+    # large positive difference (np.diff([5, 3]) is 254 in uint8).
+    if np.any(values[1:] < values[:-1]):
         raise ValueError(f"{name} must be non-decreasing, got {values.tolist()}")
+    if values[-1] > INT32_MAX:
+        raise ValueError(f"{name}[-1] = {values[-1]} does not fit in int32 (the kernels' index type)")
     if total_tokens is not None and values[-1] > total_tokens:
         raise ValueError(f"{name}[-1] = {values[-1]} is beyond the {total_tokens} tokens of the input")
 
 
+def checked_cu_seqlens(cu_seqlens: Any, total_tokens: int, name: str = "cu_seqlens") -> Any:
+    """``cu_seqlens`` validated against ``total_tokens`` tokens (see :func:`validate_cu_seqlens`).
+
+    Concrete values come back as a NumPy int32 array: checked first, so the cast is exact
+    whatever the caller's integer dtype (int8 ... uint64), and a NumPy array stays a constant
+    (its values known) under ``jax.jit``. Traced values come back as they are: the ops pass them
+    through :func:`sanitize_cu_seqlens`, which casts them, before any kernel sees them.
+    """
+    validate_cu_seqlens(cu_seqlens, total_tokens=total_tokens, name=name)
+    values = concrete_value(cu_seqlens)
+    return cu_seqlens if values is None else values.astype(np.int32)
+
+
+def sanitize_cu_seqlens(cu_seqlens: Array, total_tokens: int) -> Array:
+    """The nearest valid packing of ``total_tokens`` tokens: int32, starts at 0, non-decreasing,
+    every offset in ``[0, total_tokens]``. A valid ``cu_seqlens`` comes back unchanged.
+
+    Under ``jax.jit`` the values of ``cu_seqlens`` cannot be checked, and kernels index memory
+    with them: a negative or decreasing offset would make a kernel read and write outside its
+    arrays. The ops pass every ``cu_seqlens`` through this right before launching, so kernels only
+    ever see a valid packing: garbage offsets give garbage numbers, never a crash. It costs a few
+    O(num_seqs) operations (a clip and a cumulative maximum), nothing per token.
+    """
+    cu = jnp.asarray(cu_seqlens)
+    if cu.dtype.itemsize < 4:  # int8/int16/uint8/uint16: widen (exactly) so that T fits
+        cu = cu.astype(jnp.int32)
+    # Clip in the caller's dtype, then cast: a huge int64 offset becomes T instead of wrapping.
+    cu = jnp.clip(cu, 0, total_tokens).astype(jnp.int32)
+    return lax.cummax(cu.at[0].set(0), axis=0)
+
+
+def _index_array(cu_seqlens: Any) -> Array:
+    """A validated ``cu_seqlens`` in the signed dtype the per-token and per-chunk functions use:
+    int32, or int64 for a 64-bit input (under ``jax_enable_x64``). A narrow or unsigned dtype
+    could not hold the token indices or the ``-1`` that marks padding."""
+    validate_cu_seqlens(cu_seqlens)
+    values = concrete_value(cu_seqlens)
+    dtype = jnp.int64 if jnp.dtype(cu_seqlens.dtype).itemsize == 8 and jax.config.jax_enable_x64 \
+        else jnp.int32
+    # Concrete values were checked to fit int32, so the cast is exact; cast NumPy values before
+    # jnp.asarray, which would wrap int64 values silently with 64-bit types off.
+    return jnp.asarray(values.astype(dtype)) if values is not None else cu_seqlens.astype(dtype)
+
+
 def _static_size(size: int | None, derive, what: str, argname: str, fn: str) -> int:
     if size is not None:
-        if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 0:
-            raise ValueError(f"{fn}: {argname} must be a non-negative Python int (static under jax.jit), "
-                             f"got {size!r}")
-        return int(size)
+        return static_int(size, f"{fn}: {argname}")
     values = derive()
     if values is None:
         raise ValueError(f"{fn}: the number of {what} depends on the values of cu_seqlens, which are "
@@ -117,8 +162,7 @@ def prepare_token_indices(cu_seqlens: Array, total_tokens: int | None = None) ->
 
 def _token_args(cu_seqlens: Any, total_tokens: int | None, fn: str) -> tuple[Array, int]:
     """Validate ``cu_seqlens`` and settle the (static) number of tokens for a per-token function."""
-    cu_seqlens = jnp.asarray(cu_seqlens)
-    validate_cu_seqlens(cu_seqlens)
+    cu_seqlens = _index_array(cu_seqlens)
     total_tokens = _static_size(total_tokens, lambda: _last(cu_seqlens), "tokens", "total_tokens", fn)
     last = _last(cu_seqlens)
     if last is not None and last > total_tokens:
@@ -142,9 +186,8 @@ def prepare_chunk_offsets(cu_seqlens: Array, chunk_size: int) -> Array:
 
     Sequence ``i`` is cut into ``n_i = ceil(len_i / chunk_size)`` chunks (zero for an empty one).
     """
-    _check_chunk_size(chunk_size)
-    cu_seqlens = jnp.asarray(cu_seqlens)
-    validate_cu_seqlens(cu_seqlens)
+    chunk_size = _check_chunk_size(chunk_size)
+    cu_seqlens = _index_array(cu_seqlens)
     counts = cdiv(prepare_lens(cu_seqlens), chunk_size)
     return jnp.concatenate([jnp.zeros((1,), cu_seqlens.dtype), jnp.cumsum(counts).astype(cu_seqlens.dtype)])
 
@@ -155,7 +198,8 @@ def prepare_chunk_indices(cu_seqlens: Array, chunk_size: int, total_chunks: int 
     This is the work list of a kernel with one program per chunk: program ``p`` handles tokens
     ``cu_seqlens[s] + c * chunk_size`` up to the end of that chunk, where ``(s, c)`` is row ``p``.
     """
-    cu_seqlens = jnp.asarray(cu_seqlens)
+    chunk_size = _check_chunk_size(chunk_size)
+    cu_seqlens = _index_array(cu_seqlens)
     offsets = prepare_chunk_offsets(cu_seqlens, chunk_size)
     total_chunks = _static_size(total_chunks, lambda: _last(offsets), "chunks", "total_chunks",
                                 "prepare_chunk_indices")
@@ -196,6 +240,5 @@ def _last(x: Array) -> int | None:
     return None if values is None else int(values[-1])
 
 
-def _check_chunk_size(chunk_size: Any) -> None:
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) or chunk_size <= 0:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+def _check_chunk_size(chunk_size: Any) -> int:
+    return static_int(chunk_size, "chunk_size", minimum=1)

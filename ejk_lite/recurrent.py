@@ -50,6 +50,10 @@ gradient. ``g`` gets the sum over K of ``dL/da`` and ``g_gamma`` its sum over ev
 Grouped heads: key/value head ``j`` serves query heads ``j * G ... (j + 1) * G - 1`` with
 ``G = H_q // H_kv``; each query head has its own state and gates and the key/value gradients are
 summed over the group.
+
+``jax.vmap`` folds the mapped axis into the batch, so a batch of inputs is one launch of each
+kernel (with packing, every row of the folded batch holds the same sequences); only a mapped
+``cu_seqlens`` runs one element at a time.
 """
 
 from __future__ import annotations
@@ -63,9 +67,10 @@ import triton
 import triton.language as tl
 from jax import Array
 
+from ejk_lite.checks import check_floating, static_float
 from ejk_lite.cumsum import chunk_global_cumsum
-from ejk_lite.launch import triton_call
-from ejk_lite.packing import cdiv, prepare_sequence_ids, validate_cu_seqlens
+from ejk_lite.launch import triton_call, vmap_by_folding
+from ejk_lite.packing import cdiv, checked_cu_seqlens, prepare_sequence_ids, sanitize_cu_seqlens
 
 
 # ----------------------------------------------------------------------------------------------
@@ -78,12 +83,16 @@ def _check_shape(name: str, x: Any, expected: tuple[int, ...], meaning: str) -> 
         raise ValueError(f"{name} must have shape {meaning} = {expected}, got {tuple(x.shape)}")
 
 
-def _validate(query, key, value, g, g_gamma, gk, gv, initial_state, cu_seqlens) -> int:
-    """Raise ``ValueError`` naming the bad argument; return N, the number of sequences."""
+def _validate(query, key, value, g, g_gamma, gk, gv, initial_state, cu_seqlens) -> Array | None:
+    """Raise ``ValueError`` naming the bad argument; return ``cu_seqlens`` checked (or None)."""
     for name, x in (("query", query), ("key", key), ("value", value)):
         if not hasattr(x, "shape") or len(x.shape) != 4:
             raise ValueError(f"{name} must be a 4-D array [batch, seq_len, heads, dim], "
                              f"got shape {getattr(x, 'shape', None)}")
+    # A state of integers (or bools) would be decayed and summed in integer arithmetic: refuse.
+    for name, x in (("query", query), ("key", key), ("value", value), ("g", g),
+                    ("g_gamma", g_gamma), ("gk", gk), ("gv", gv), ("initial_state", initial_state)):
+        check_floating(x, name, optional=name not in ("query", "key", "value"))
     batch, seq_len, num_heads, key_dim = query.shape
     num_kv_heads, value_dim = key.shape[2], value.shape[3]
     _check_shape("key", key, (batch, seq_len, num_kv_heads, key_dim), "[batch, seq_len, kv_heads, key_dim]")
@@ -97,13 +106,21 @@ def _validate(query, key, value, g, g_gamma, gk, gv, initial_state, cu_seqlens) 
     if cu_seqlens is None:
         num_sequences = batch
     else:
-        validate_cu_seqlens(cu_seqlens, total_tokens=seq_len)
+        cu_seqlens = checked_cu_seqlens(cu_seqlens, seq_len)
         if batch != 1:
             raise ValueError(f"cu_seqlens packs sequences along one row: batch must be 1, got {batch}")
         num_sequences = cu_seqlens.shape[0] - 1
     _check_shape("initial_state", initial_state, (num_sequences, num_heads, key_dim, value_dim),
                  "[num_sequences, heads, key_dim, value_dim]")
-    return num_sequences
+    return cu_seqlens
+
+
+def _scale(softmax_scale: Any, key_dim: int) -> float:
+    """``softmax_scale`` as a Python float; ``key_dim ** -0.5`` by default (1 for an empty key
+    dimension, where it multiplies nothing: the output is zero)."""
+    if softmax_scale is not None:
+        return static_float(softmax_scale, "softmax_scale")
+    return key_dim ** -0.5 if key_dim > 0 else 1.0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -137,11 +154,12 @@ def reference(
     from its last token to its first. Computes in float32 (float64 for float64 inputs); the output
     has the query's dtype and the final state ``[N, H, K, V]`` is float32 (float64 for float64).
     """
-    num_sequences = _validate(query, key, value, g, g_gamma, gk, gv, initial_state, cu_seqlens)
+    cu_seqlens = _validate(query, key, value, g, g_gamma, gk, gv, initial_state, cu_seqlens)
     batch, seq_len, num_heads, key_dim = query.shape
+    num_sequences = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
     value_dim = value.shape[-1]
     group = num_heads // key.shape[2]
-    scale = key_dim ** -0.5 if softmax_scale is None else softmax_scale
+    scale = _scale(softmax_scale, key_dim)
     dtype = jnp.promote_types(query.dtype, jnp.float32)
 
     # Everything per query head, time axis first: [T, B, H, ...].
@@ -207,11 +225,21 @@ def reference(
 
 
 @triton.jit
-def _sequence_bounds(cu_seqlens, i_n, seq_len, VARLEN: tl.constexpr):
-    """First and one-past-last token of sequence ``i_n`` in the flattened [B * T] token axis."""
+def _sequence_bounds(cu_seqlens, i_n, seq_len, seqs_per_row, VARLEN: tl.constexpr):
+    """First and one-past-last token of sequence ``i_n`` in the flattened [B * T] token axis.
+
+    With packing, sequence ``i_n`` is sequence ``i_n % seqs_per_row`` of row
+    ``i_n // seqs_per_row``: the rows share ``cu_seqlens`` (there are several only when
+    ``jax.vmap`` folded a mapped axis into the batch)."""
     if VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+        row = i_n // seqs_per_row
+        i_s = i_n % seqs_per_row
+        # Clamped (the launch already hands over a valid packing; this is the second line of
+        # defence): whatever cu_seqlens holds, the walk stays inside its row.
+        start = tl.minimum(tl.maximum(tl.load(cu_seqlens + i_s), 0), seq_len)
+        end = tl.minimum(tl.maximum(tl.load(cu_seqlens + i_s + 1), start), seq_len)
+        bos = row.to(tl.int64) * seq_len + start
+        eos = row.to(tl.int64) * seq_len + end
     else:
         bos = i_n.to(tl.int64) * seq_len
         eos = bos + seq_len
@@ -248,7 +276,7 @@ def _load_token(q, k, v, do, g, gk, gv, tok, valid, i_h, i_kv, g_gamma_h, offs_k
 @triton.jit
 def _forward_kernel(
     q, k, v, g, g_gamma, gk, gv, h0, cu_seqlens,  # inputs; an absent one is a 1-element stand-in
-    seq_len, total_tokens,
+    seq_len, total_tokens, seqs_per_row,
     o, ht,  # outputs: o as [NK, B * T, H, V] partials over K tiles, ht [N, H, K, V] fp32
     H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     SCALE: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -260,7 +288,7 @@ def _forward_kernel(
     i_v, i_k, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_h = i_nh // H, i_nh % H
     i_kv = i_h // (H // H_KV)
-    bos, eos = _sequence_bounds(cu_seqlens, i_n, seq_len, VARLEN)
+    bos, eos = _sequence_bounds(cu_seqlens, i_n, seq_len, seqs_per_row, VARLEN)
     n = eos - bos
     if REVERSE:  # the walk visits tokens first + i * step
         first, step = eos - 1, -1
@@ -304,7 +332,7 @@ def _forward_kernel(
 @triton.jit
 def _dq_walk(
     q, k, v, g, g_gamma, gk, gv, h0, cu_seqlens, do, dht, dq, q_dq, o_do, last_k, last_v,
-    i_v, i_k, i_nh, num_heads_total, seq_len, total_tokens,
+    i_v, i_k, i_nh, num_heads_total, seq_len, total_tokens, seqs_per_row,
     H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     SCALE: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_K_DECAY: tl.constexpr, HAS_G: tl.constexpr, HAS_G_GAMMA: tl.constexpr,
@@ -317,7 +345,7 @@ def _dq_walk(
     # the final state's share sum_V(P_T * dh_final) from the last step.
     i_n, i_h = i_nh // H, i_nh % H
     i_kv = i_h // (H // H_KV)
-    bos, eos = _sequence_bounds(cu_seqlens, i_n, seq_len, VARLEN)
+    bos, eos = _sequence_bounds(cu_seqlens, i_n, seq_len, seqs_per_row, VARLEN)
     n = eos - bos
     if REVERSE:
         first, step = eos - 1, -1
@@ -376,7 +404,7 @@ def _dq_walk(
 @triton.jit
 def _dkv_walk(
     q, k, v, g, g_gamma, gk, gv, cu_seqlens, do, dht, dk, dv, k_dh_v, v_dh_k, dh0,
-    i_v, i_k, i_nh, seq_len, total_tokens,
+    i_v, i_k, i_nh, seq_len, total_tokens, seqs_per_row,
     H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     SCALE: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_K_DECAY: tl.constexpr, HAS_G: tl.constexpr, HAS_G_GAMMA: tl.constexpr,
@@ -392,7 +420,7 @@ def _dkv_walk(
     # sequence's last token (this walk's first), where they cancel against the final state's share.
     i_n, i_h = i_nh // H, i_nh % H
     i_kv = i_h // (H // H_KV)
-    bos, eos = _sequence_bounds(cu_seqlens, i_n, seq_len, VARLEN)
+    bos, eos = _sequence_bounds(cu_seqlens, i_n, seq_len, seqs_per_row, VARLEN)
     n = eos - bos
     if REVERSE:  # this walk runs against the forward's direction
         first, step = bos, 1
@@ -448,7 +476,7 @@ def _dkv_walk(
 @triton.jit
 def _backward_kernel(
     q, k, v, g, g_gamma, gk, gv, h0, cu_seqlens, do, dht,
-    seq_len, total_tokens,
+    seq_len, total_tokens, seqs_per_row,
     dq, q_dq, o_do, last_k, last_v, dk, dv, k_dh_v, v_dh_k, dh0,  # outputs, fp32; see _backward
     H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     SCALE: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -464,11 +492,13 @@ def _backward_kernel(
     num_heads_total = tl.num_programs(2) // 2
     if i_nh < num_heads_total:
         _dq_walk(q, k, v, g, g_gamma, gk, gv, h0, cu_seqlens, do, dht, dq, q_dq, o_do, last_k, last_v,
-                  i_v, i_k, i_nh, num_heads_total, seq_len, total_tokens, H, H_KV, K, V, SCALE, BK, BV,
+                  i_v, i_k, i_nh, num_heads_total, seq_len, total_tokens, seqs_per_row,
+                  H, H_KV, K, V, SCALE, BK, BV,
                   HAS_K_DECAY, HAS_G, HAS_G_GAMMA, HAS_GK, HAS_GV, HAS_H0, HAS_DHT, REVERSE, VARLEN)
     else:
         _dkv_walk(q, k, v, g, g_gamma, gk, gv, cu_seqlens, do, dht, dk, dv, k_dh_v, v_dh_k, dh0,
-                   i_v, i_k, i_nh - num_heads_total, seq_len, total_tokens, H, H_KV, K, V, SCALE, BK, BV,
+                   i_v, i_k, i_nh - num_heads_total, seq_len, total_tokens, seqs_per_row,
+                   H, H_KV, K, V, SCALE, BK, BV,
                    HAS_K_DECAY, HAS_G, HAS_G_GAMMA, HAS_GK, HAS_GV, HAS_H0, HAS_DHT, REVERSE, VARLEN)
 
 
@@ -512,6 +542,75 @@ def _valid_tokens(cu_seqlens: Array | None, seq_len: int) -> Array | None:
     return None if cu_seqlens is None else (jnp.arange(seq_len) < cu_seqlens[-1])[:, None, None]
 
 
+# Under jax.vmap the kernels' launches fold the mapped axis into the batch: q, k, v, the per-token
+# gates, do and the states have one (axis 0), and with packing every row of the batch holds the
+# same sequences (_sequence_bounds). cu_seqlens has none: mapped, it gives every element its own
+# packing, and the launches run one element at a time. A mapped g_gamma is added to g first.
+# In the order of the launches' arguments: query, key, value, g, g_gamma, gk, gv, initial_state,
+# cu_seqlens, and in the backward d_o, d_final_state.
+_IN_AXES = (0, 0, 0, 0, None, 0, 0, 0, None, 0, 0)
+_MAX_GRID_Z = 65535  # CUDA's limit on the 3rd grid dimension, along which the walks run
+
+
+def _gamma_into_g(axis_size, args, batched):
+    """``prepare`` for ``vmap_by_folding``: a mapped ``g_gamma`` ``[H]`` has no batch axis to fold
+    into, but the kernels only ever use ``g + g_gamma`` (in float32): hand them that as ``g``.
+    The gates' gradients are computed from the kernels' per-token terms, which do not change."""
+    if not batched[4]:
+        return args, batched
+    query, g, g_gamma = args[0], args[3], args[4]
+    batch, seq_len, num_heads = query.shape[-4:-1]
+    gates = jnp.zeros((), jnp.float32) if g is None else g.astype(jnp.float32)
+    if g is not None and not batched[3]:
+        gates = gates[None]
+    gates = gates + g_gamma.astype(jnp.float32)[:, None, None, :]
+    args, batched = list(args), list(batched)
+    args[3] = jnp.broadcast_to(gates, (axis_size, batch, seq_len, num_heads))
+    args[4] = None
+    batched[3], batched[4] = True, False
+    return args, batched
+
+
+def _launch_sizes(query, cu_seqlens):
+    """(number of sequences, sequences per row, tokens) of a launch; the batch may be folded."""
+    batch, seq_len = query.shape[:2]
+    per_row = 1 if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    return batch * per_row, per_row, batch * seq_len
+
+
+def _check_grid(programs: int) -> None:
+    """One program per sequence and head along the grid's third axis (two in the backward)."""
+    if programs > _MAX_GRID_Z:
+        raise ValueError(f"{programs} programs along the grid's third axis (one per sequence x "
+                         f"head, two in the backward, times the sizes of any vmapped axes) exceed "
+                         f"CUDA's limit of {_MAX_GRID_Z}")
+
+
+def _forward_launch(scale, reverse, blocks, query, key, value, g, g_gamma, gk, gv, initial_state,
+                    cu_seqlens):
+    """The forward kernel: ``o`` as partials over K tiles ``[NK, B * T, H, V]``, and the final
+    state ``[N, H, K, V]`` (with packing, N = B * sequences per row)."""
+    _, seq_len, num_heads, key_dim = query.shape
+    num_kv_heads, value_dim = value.shape[2], value.shape[3]
+    num_seqs, per_row, total_tokens = _launch_sizes(query, cu_seqlens)
+    _check_grid(num_seqs * num_heads)
+    block_k, block_v, num_warps = blocks
+    num_k_tiles, num_v_tiles = cdiv(key_dim, block_k), cdiv(value_dim, block_v)
+    f32 = jnp.float32
+    return triton_call(
+        query, key, value, _or_stand_in(g), _or_stand_in(g_gamma), _or_stand_in(gk),
+        _or_stand_in(gv), _or_stand_in(initial_state), _or_stand_in(cu_seqlens, jnp.int32),
+        seq_len, total_tokens, per_row,
+        kernel=_forward_kernel,
+        out_shape=[jax.ShapeDtypeStruct((num_k_tiles, total_tokens, num_heads, value_dim),
+                                        query.dtype if num_k_tiles == 1 else f32),
+                   jax.ShapeDtypeStruct((num_seqs, num_heads, key_dim, value_dim), f32)],
+        grid=(num_v_tiles, num_k_tiles, num_seqs * num_heads), num_warps=num_warps,
+        H=num_heads, H_KV=num_kv_heads, K=key_dim, V=value_dim, SCALE=float(scale),
+        BK=block_k, BV=block_v, **_flags(g, g_gamma, gk, gv, initial_state, reverse, cu_seqlens),
+    )
+
+
 def _forward(scale, reverse, blocks,
              query, key, value, g, g_gamma, gk, gv, initial_state, cu_seqlens):
     batch, seq_len, num_heads, key_dim = query.shape
@@ -519,30 +618,60 @@ def _forward(scale, reverse, blocks,
     num_seqs = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
     total_tokens = batch * seq_len
     f32 = jnp.float32
-    if num_seqs * num_heads == 0 or total_tokens == 0:  # nothing to walk
+    # Nothing to walk: no sequence, no token, or an empty state (K = 0 or V = 0: o = q h is 0).
+    if num_seqs * num_heads * key_dim * value_dim == 0 or total_tokens == 0:
         o = jnp.zeros((batch, seq_len, num_heads, value_dim), query.dtype)
         h0 = jnp.zeros((num_seqs, num_heads, key_dim, value_dim), f32) if initial_state is None else initial_state
         return o, h0.astype(f32)
 
-    block_k, block_v, num_warps = blocks
-    num_k_tiles, num_v_tiles = cdiv(key_dim, block_k), cdiv(value_dim, block_v)
-    o_parts, final_state = triton_call(
-        query, key, value, _or_stand_in(g), _or_stand_in(g_gamma), _or_stand_in(gk), _or_stand_in(gv),
-        _or_stand_in(initial_state), _or_stand_in(cu_seqlens, jnp.int32),
-        seq_len, total_tokens,
-        kernel=_forward_kernel,
-        out_shape=[jax.ShapeDtypeStruct((num_k_tiles, total_tokens, num_heads, value_dim),
-                                        query.dtype if num_k_tiles == 1 else f32),
-                   jax.ShapeDtypeStruct((num_seqs, num_heads, key_dim, value_dim), f32)],
-        grid=(num_v_tiles, num_k_tiles, num_seqs * num_heads), num_warps=num_warps,
-        H=num_heads, H_KV=num_kv_heads, K=key_dim, V=value_dim, SCALE=float(scale), BK=block_k, BV=block_v,
-        **_flags(g, g_gamma, gk, gv, initial_state, reverse, cu_seqlens),
-    )
-    o = o_parts.sum(0, dtype=f32) if num_k_tiles > 1 else o_parts[0]
+    launch = vmap_by_folding(functools.partial(_forward_launch, scale, reverse, blocks),
+                             in_axes=_IN_AXES, out_axes=(1, 0), prepare=_gamma_into_g)
+    o_parts, final_state = launch(query, key, value, g, g_gamma, gk, gv, initial_state, cu_seqlens)
+    o = o_parts.sum(0, dtype=f32) if o_parts.shape[0] > 1 else o_parts[0]
     valid = _valid_tokens(cu_seqlens, seq_len)
     if valid is not None:
         o = jnp.where(valid, o, 0)
     return o.astype(query.dtype).reshape(batch, seq_len, num_heads, value_dim), final_state
+
+
+def _backward_launch(scale, reverse, blocks, query, key, value, g, g_gamma, gk, gv, initial_state,
+                     cu_seqlens, d_o, d_final_state):
+    """The backward kernel's ten outputs, fp32 partials over state tiles (see ``_backward``)."""
+    _, seq_len, num_heads, key_dim = query.shape
+    num_kv_heads, value_dim = value.shape[2], value.shape[3]
+    num_seqs, per_row, total_tokens = _launch_sizes(query, cu_seqlens)
+    _check_grid(2 * num_seqs * num_heads)
+    f32 = jnp.float32
+    flags = _flags(g, g_gamma, gk, gv, initial_state, reverse, cu_seqlens)
+    gated_k, gated_v = flags["HAS_K_DECAY"], flags["HAS_GV"]
+    has_dht = d_final_state is not None
+    last_needed = has_dht and (gated_k or gated_v)
+    block_k, block_v, num_warps = blocks
+    num_k_tiles, num_v_tiles = cdiv(key_dim, block_k), cdiv(value_dim, block_v)
+
+    def partials(num_tiles, rows, size, needed=True):  # fp32 per-tile partial sums (or a stand-in)
+        return jax.ShapeDtypeStruct((num_tiles, rows, num_heads, size) if needed else (1,), f32)
+
+    return triton_call(
+        query, key, value, _or_stand_in(g), _or_stand_in(g_gamma), _or_stand_in(gk),
+        _or_stand_in(gv), _or_stand_in(initial_state), _or_stand_in(cu_seqlens, jnp.int32), d_o,
+        _or_stand_in(d_final_state), seq_len, total_tokens, per_row,
+        kernel=_backward_kernel,
+        out_shape=[partials(num_v_tiles, total_tokens, key_dim),                    # dq
+                   partials(num_v_tiles, total_tokens, key_dim, gated_k),           # q * dq (P)
+                   partials(num_k_tiles, total_tokens, value_dim, gated_v),         # o * do (P)
+                   partials(num_v_tiles, num_seqs, key_dim, last_needed and gated_k),    # final
+                   partials(num_k_tiles, num_seqs, value_dim, last_needed and gated_v),  # state's
+                   partials(num_v_tiles, total_tokens, key_dim),                    # dk
+                   partials(num_k_tiles, total_tokens, value_dim),                  # dv
+                   partials(num_v_tiles, total_tokens, key_dim, gated_k),           # -k * (dh v)
+                   partials(num_k_tiles, total_tokens, value_dim, gated_v),         # -v (dh^T k)
+                   jax.ShapeDtypeStruct((num_seqs, num_heads, key_dim, value_dim)
+                                        if initial_state is not None else (1,), f32)],
+        grid=(num_v_tiles, num_k_tiles, 2 * num_seqs * num_heads), num_warps=num_warps,
+        H=num_heads, H_KV=num_kv_heads, K=key_dim, V=value_dim, SCALE=float(scale),
+        BK=block_k, BV=block_v, HAS_DHT=has_dht, **flags,
+    )
 
 
 def _backward(scale, reverse, blocks, residuals, cotangents):
@@ -561,38 +690,23 @@ def _backward(scale, reverse, blocks, residuals, cotangents):
     flags = _flags(g, g_gamma, gk, gv, initial_state, reverse, cu_seqlens)
     gated_k, gated_v = flags["HAS_K_DECAY"], flags["HAS_GV"]
 
-    if num_seqs * num_heads == 0 or total_tokens == 0:  # nothing was walked: the state passed straight through
+    if num_seqs * num_heads * key_dim * value_dim == 0 or total_tokens == 0:
+        # Nothing was walked: the state passed straight through, and nothing reached o.
         dq, dk, dlog_k = (jnp.zeros((batch, seq_len, num_heads, key_dim), f32),) * 3
         dv, dlog_v = (jnp.zeros((batch, seq_len, num_heads, value_dim), f32),) * 2
         dh0 = d_final_state if has_dht else jnp.zeros(state_shape, f32)
     else:
-        block_k, block_v, num_warps = blocks
-        num_k_tiles, num_v_tiles = cdiv(key_dim, block_k), cdiv(value_dim, block_v)
         last_needed = has_dht and (gated_k or gated_v)
-
-        def partials(num_tiles, rows, size, needed=True):  # fp32 per-tile partial sums (or a stand-in)
-            return jax.ShapeDtypeStruct((num_tiles, rows, num_heads, size) if needed else (1,), f32)
-
+        # Where each output's batch rows are (None: a 1-element stand-in, not computed).
+        out_axes = (1, 1 if gated_k else None, 1 if gated_v else None,
+                    1 if last_needed and gated_k else None, 1 if last_needed and gated_v else None,
+                    1, 1, 1 if gated_k else None, 1 if gated_v else None,
+                    0 if initial_state is not None else None)
+        launch = vmap_by_folding(functools.partial(_backward_launch, scale, reverse, blocks),
+                                 in_axes=_IN_AXES, out_axes=out_axes, prepare=_gamma_into_g)
         (dq_parts, q_dq_parts, o_do_parts, last_k, last_v, dk_parts, dv_parts, k_dh_v_parts, v_dh_k_parts,
-         dh0) = triton_call(
-            query, key, value, _or_stand_in(g), _or_stand_in(g_gamma), _or_stand_in(gk), _or_stand_in(gv),
-            _or_stand_in(initial_state), _or_stand_in(cu_seqlens, jnp.int32), d_o,
-            _or_stand_in(d_final_state if has_dht else None), seq_len, total_tokens,
-            kernel=_backward_kernel,
-            out_shape=[partials(num_v_tiles, total_tokens, key_dim),                     # dq
-                       partials(num_v_tiles, total_tokens, key_dim, gated_k),            # q * dq (P part)
-                       partials(num_k_tiles, total_tokens, value_dim, gated_v),          # o * do (P part)
-                       partials(num_v_tiles, num_seqs, key_dim, last_needed and gated_k),  # final state's
-                       partials(num_k_tiles, num_seqs, value_dim, last_needed and gated_v),  # shares
-                       partials(num_v_tiles, total_tokens, key_dim),                     # dk
-                       partials(num_k_tiles, total_tokens, value_dim),                   # dv
-                       partials(num_v_tiles, total_tokens, key_dim, gated_k),            # -k * (dh v)
-                       partials(num_k_tiles, total_tokens, value_dim, gated_v),          # -v * (dh^T k)
-                       jax.ShapeDtypeStruct(state_shape if initial_state is not None else (1,), f32)],
-            grid=(num_v_tiles, num_k_tiles, 2 * num_seqs * num_heads), num_warps=num_warps,
-            H=num_heads, H_KV=num_kv_heads, K=key_dim, V=value_dim, SCALE=float(scale), BK=block_k, BV=block_v,
-            HAS_DHT=has_dht, **flags,
-        )
+         dh0) = launch(query, key, value, g, g_gamma, gk, gv, initial_state, cu_seqlens, d_o,
+                       d_final_state if has_dht else None)
 
         valid = _valid_tokens(cu_seqlens, seq_len)
 
@@ -653,7 +767,17 @@ def _recurrent_fwd(scale, reverse, blocks, *primals):
 # symbolic_zeros: when the caller ignores final_state, its cotangent arrives as a SymbolicZero and
 # the reverse sweep skips it instead of reading a tensor of zeros.
 _recurrent.defvjp(_recurrent_fwd, _backward, symbolic_zeros=True)
-_recurrent_jit = jax.jit(_recurrent, static_argnums=(0, 1, 2))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _recurrent_jit(scale, reverse, blocks, query, key, value, g, g_gamma, gk, gv, initial_state,
+                   cu_seqlens):
+    if cu_seqlens is not None:
+        # Traced values were not checked: the kernels get the nearest valid packing, so that none
+        # of them can be sent outside its arrays. (cu_seqlens gets no gradient.)
+        cu_seqlens = sanitize_cu_seqlens(cu_seqlens, query.shape[1])
+    return _recurrent(scale, reverse, blocks, query, key, value, g, g_gamma, gk, gv, initial_state,
+                      cu_seqlens)
 
 
 def recurrent(
@@ -679,19 +803,28 @@ def recurrent(
         g_gamma: ``[H]`` fixed log-decay per head (Lightning attention / RetNet style).
         gk: ``[B, T, H, K]`` log-decay along K.
         gv: ``[B, T, H, V]`` log-decay along V.
-        softmax_scale: multiplies the query; ``K ** -0.5`` by default. A Python number (static).
+        softmax_scale: multiplies the query; ``K ** -0.5`` by default. A Python or NumPy number
+            (static).
         initial_state: ``[N, H, K, V]`` state before the first token of each sequence.
         reverse: walk every sequence from its last token to its first.
         cu_seqlens: ``[N + 1]`` int offsets of N sequences packed in a batch of 1. Tokens past
-            ``cu_seqlens[-1]`` belong to no sequence; their output is zero.
+            ``cu_seqlens[-1]`` belong to no sequence; their output is zero. Checked when
+            concrete; traced under ``jax.jit``, invalid values are replaced by the nearest valid
+            packing (:func:`ejk_lite.packing.sanitize_cu_seqlens`): wrong numbers, never a crash.
 
     Returns:
         ``(o, final_state)``: ``o`` ``[B, T, H, V]`` in the query's dtype and ``final_state``
         ``[N, H, K, V]`` in float32 (N = B without ``cu_seqlens``). Gradients come back in each
-        input's dtype; ``g_gamma``'s is the sum of what ``g`` would get.
+        input's dtype; ``g_gamma``'s is the sum of what ``g`` would get. An empty state (K = 0 or
+        V = 0) is allowed: it holds nothing, so ``o`` and every gradient are zero.
+
+    Raises:
+        ValueError: naming the argument, for a wrong shape, a non-floating array (integer or bool
+        inputs would run the recurrence in integer arithmetic), an invalid ``cu_seqlens`` or a
+        ``softmax_scale`` that is not a number.
     """
-    _validate(query, key, value, g, g_gamma, gk, gv, initial_state, cu_seqlens)
-    scale = query.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    cu_seqlens = _validate(query, key, value, g, g_gamma, gk, gv, initial_state, cu_seqlens)
+    scale = _scale(softmax_scale, query.shape[-1])
     blocks = _block_sizes(query.shape[-1], value.shape[-1])
     return _recurrent_jit(scale, bool(reverse), blocks,
                           query, key, value, g, g_gamma, gk, gv, initial_state, cu_seqlens)

@@ -276,3 +276,53 @@ def test_bad_arguments_raise_value_errors(impl):
             call()
     with pytest.raises(ValueError, match="impl"):
         chunk_global_cumsum(x, impl="cuda")
+
+
+# ----------------------------------------------------------------------------------------------
+# Arguments: NumPy scalars are numbers, cu_seqlens of any integer dtype, values that would wrap.
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_numpy_scalars_behave_like_python_numbers(rng, impl):
+    cu = cu_from_lengths([5, 0, 11])
+    x = make_input(rng, (1, 19, 2))
+    out = chunk_local_cumsum(x, np.int64(4), softmax_scale=np.float32(0.5), cu_seqlens=jnp.asarray(cu), impl=impl)
+    assert rel_err(out, numpy_cumsum(x, 4, scale=0.5, cu_seqlens=cu)) < TOLERANCE["float32"]
+    out = chunk_global_cumsum(x, reverse=np.bool_(True), softmax_scale=np.int32(2), impl=impl)
+    assert rel_err(out, numpy_cumsum(x, reverse=True, scale=2.0)) < TOLERANCE["float32"]
+    for bad in (np.float64(4.0), np.bool_(True), jnp.int32(4)):
+        with pytest.raises(ValueError, match="chunk_size"):
+            chunk_local_cumsum(x, bad, impl=impl)
+    for bad in (True, np.bool_(True), "2"):
+        with pytest.raises(ValueError, match="softmax_scale"):
+            chunk_global_cumsum(x, softmax_scale=bad, impl=impl)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", ["int8", "uint8", "int16", "uint16", "uint32", "uint64", "int64"])
+def test_cu_seqlens_of_any_integer_dtype(rng, impl, dtype):
+    # 120 tokens (int8 holds the offsets) in chunks of 16, 3 padding tokens after them.
+    lengths = [40, 0, 57, 3, 20]
+    cu = cu_from_lengths(lengths)
+    x = make_input(rng, (1, 123, 2))
+    for op in OPS:
+        out = run(op, x, impl, chunk_size=16, reverse=True, cu_seqlens=cu.astype(dtype))
+        ref = expected(op, x, chunk_size=16, reverse=True, cu_seqlens=cu)
+        assert rel_err(out, ref) < TOLERANCE["float32"], op
+    traced = jax.jit(lambda x, c: run("local", x, impl, chunk_size=16, cu_seqlens=c))(x, jnp.asarray(cu.astype(dtype)))
+    assert rel_err(traced, expected("local", x, chunk_size=16, cu_seqlens=cu)) < TOLERANCE["float32"]
+
+
+@pytest.mark.parametrize("bad, match", [
+    (np.array([0, 9, 3, 12], np.uint8), "non-decreasing"),     # np.diff would say [9, 250, 9]
+    (np.array([0, 9, 3, 12], np.uint32), "non-decreasing"),
+    (np.array([0, 2**32 + 5], np.int64), "int32"),              # jnp.asarray would make it 5
+    (np.array([0, 2**31 + 5], np.uint64), "int32"),
+])
+def test_cu_seqlens_that_would_wrap_are_refused(rng, bad, match):
+    x = make_input(rng, (1, 12, 2))
+    for op in OPS:
+        for impl in IMPLS:
+            with pytest.raises(ValueError, match=f"cu_seqlens.*{match}"):
+                run(op, x, impl, cu_seqlens=bad)

@@ -298,7 +298,7 @@ _CU = jnp.asarray([0, 4, 10], jnp.int32)
     (lambda: mean_pooling(_X3, -4), "chunk_size"),
     (lambda: mean_pooling(_X3, 2.0), "chunk_size"),
     (lambda: mean_pooling(_X3, impl="cuda"), "impl"),
-    (lambda: mean_pooling(jnp.ones((2, 5, 4), jnp.int32)), "x must be a floating-point"),
+    (lambda: mean_pooling(jnp.ones((2, 5, 4), jnp.int32)), "x must have a floating dtype"),
     (lambda: mean_pooling(_X3, tiling=pooling.Tiling(block_hidden=24)), "tiling.block_hidden"),
     (lambda: mean_pooling(_X3, tiling=pooling.Tiling(tokens_per_program=0)), "tiling.tokens_per_program"),
     (lambda: mean_pooling(_X3, tiling=pooling.Tiling(num_stages=0)), "tiling.num_stages"),
@@ -312,3 +312,61 @@ _CU = jnp.asarray([0, 4, 10], jnp.int32)
 def test_bad_input_raises_value_error(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+# ----------------------------------------------------------------------------------------------
+# Arguments: NumPy scalars are numbers, cu_seqlens of any integer dtype, values that would wrap.
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_numpy_scalars_behave_like_python_numbers(rng, impl):
+    # np.int64(4) used to reach the kernel launch as an array: a pointer where an int belongs.
+    cu = cu_from_lengths(LENGTHS)
+    x, x64 = random_x(rng, (cu[-1] + 2, 6), "float32")
+    tiling = pooling.Tiling(block_hidden=np.int64(16), tokens_per_program=np.int32(3), num_warps=np.int8(2),
+                            num_stages=np.uint8(2))
+    out = mean_pooling(x, np.int64(4), jnp.asarray(cu), impl=impl, tiling=tiling)
+    assert rel_err(out, numpy_mean_pooling(x64, cu)) < TOLERANCE["float32"]
+    ref = numpy_block_pooling(x64, 4, cu)
+    out = block_mean_pooling(x, np.int64(4), jnp.asarray(cu), chunk_size=np.int32(2),
+                             total_blocks=np.int64(len(ref)), impl=impl, tiling=tiling)
+    assert rel_err(out, ref) < TOLERANCE["float32"]
+    pooled = jax.jit(lambda a, c: block_mean_pooling(a, np.int64(4), c, total_blocks=np.uint16(len(ref)), impl=impl))
+    assert rel_err(pooled(x, jnp.asarray(cu)), ref) < TOLERANCE["float32"]
+    for name, call in [("block_size", lambda: block_mean_pooling(x, np.float64(4.0), jnp.asarray(cu), impl=impl)),
+                       ("block_size", lambda: block_mean_pooling(x, True, jnp.asarray(cu), impl=impl)),
+                       ("chunk_size", lambda: mean_pooling(x, np.bool_(True), jnp.asarray(cu), impl=impl)),
+                       ("total_blocks", lambda: block_mean_pooling(x, 4, jnp.asarray(cu), total_blocks=20.0)),
+                       ("tiling.num_warps", lambda: mean_pooling(x, 4, jnp.asarray(cu),
+                                                                 tiling=pooling.Tiling(num_warps=np.int64(3))))]:
+        with pytest.raises(ValueError, match=name):
+            call()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", ["int8", "uint8", "int16", "uint16", "uint32", "uint64", "int64"])
+def test_cu_seqlens_of_any_integer_dtype(rng, impl, dtype):
+    cu = cu_from_lengths(LENGTHS)
+    x, x64 = random_x(rng, (cu[-1] + 2, 6), "float32")
+    out = mean_pooling(x, 4, cu.astype(dtype), impl=impl)
+    assert rel_err(out, numpy_mean_pooling(x64, cu)) < TOLERANCE["float32"]
+    out = block_mean_pooling(x, 4, cu.astype(dtype), impl=impl)
+    assert rel_err(out, numpy_block_pooling(x64, 4, cu)) < TOLERANCE["float32"]
+    out = jax.jit(lambda a, c: mean_pooling(a, 4, c, impl=impl))(x, jnp.asarray(cu.astype(dtype)))
+    assert rel_err(out, numpy_mean_pooling(x64, cu)) < TOLERANCE["float32"]
+
+
+@pytest.mark.parametrize("bad, match", [
+    (np.array([0, 9, 3, 12], np.uint8), "non-decreasing"),     # np.diff would say [9, 250, 9]
+    (np.array([0, 9, 3, 12], np.uint32), "non-decreasing"),
+    (np.array([0, 2**32 + 5], np.int64), "int32"),              # jnp.asarray would make it 5
+    (np.array([0, 2**31 + 5], np.uint64), "int32"),
+])
+def test_cu_seqlens_that_would_wrap_are_refused(rng, bad, match):
+    x, _ = random_x(rng, (12, 3), "float32")
+    for impl in IMPLS:
+        with pytest.raises(ValueError, match=f"cu_seqlens.*{match}"):
+            mean_pooling(x, 4, bad, impl=impl)
+        with pytest.raises(ValueError, match=f"cu_seqlens.*{match}"):
+            block_mean_pooling(x, 4, bad, impl=impl)

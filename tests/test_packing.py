@@ -29,6 +29,7 @@ from ejk_lite import (
     prepare_token_indices,
     validate_cu_seqlens,
 )
+from ejk_lite.packing import checked_cu_seqlens, sanitize_cu_seqlens
 from conftest import rel_err
 
 # ------------------------------------------------------------------------------------------------
@@ -247,6 +248,87 @@ def test_validate_cu_seqlens_errors(bad, match):
                lambda cu: prepare_chunk_offsets(cu, 2), lambda cu: prepare_chunk_indices(cu, 2)):
         with pytest.raises(ValueError, match=f"cu_seqlens.*{match}"):
             fn(jnp.asarray(bad))
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "uint16", "uint32", "uint64", "int8", "int16", "int64"])
+def test_decreasing_cu_seqlens_of_every_integer_dtype_is_refused(dtype):
+    # In an unsigned dtype the difference of a decrease wraps to a large positive number: the
+    # check must compare neighbours, not look at np.diff.
+    bad = np.array([0, 5, 3, 9], dtype)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        validate_cu_seqlens(bad)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        checked_cu_seqlens(bad, 9)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        prepare_sequence_ids(bad)
+
+
+def test_values_beyond_int32_are_refused_before_they_wrap():
+    # With 64-bit types off, jnp.asarray turns 2**32 + 3 into 3 without a word: check first.
+    for bad in (np.array([0, 2**32 + 3], np.int64), np.array([0, 2**31], np.uint64),
+                np.array([0, 2**31], np.uint32)):
+        with pytest.raises(ValueError, match="int32"):
+            validate_cu_seqlens(bad)
+        with pytest.raises(ValueError, match="cu_seqlens"):
+            prepare_sequence_ids(bad)
+        with pytest.raises(ValueError, match="cu_seqlens"):
+            checked_cu_seqlens(bad, 2**40)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "uint8", "int16", "uint16", "uint32", "uint64", "int64"])
+def test_narrow_and_unsigned_dtypes_give_the_right_answer(rng, dtype):
+    # 3 padding tokens (-1 ids, which an unsigned dtype could not hold) and 120 tokens, close to
+    # int8's limit: token and chunk indices are computed in int32, not in the caller's dtype.
+    lengths = [int(n) for n in rng.integers(0, 30, size=6)]
+    lengths[2] = 0
+    lengths.append(120 - sum(lengths))
+    cu = cu_seqlens_of(lengths).astype(dtype)
+    total = 123
+    seq = prepare_sequence_ids(cu, total_tokens=total)
+    assert seq.dtype == jnp.int32
+    tokens = reference_tokens(lengths, total)
+    np.testing.assert_array_equal(seq, tokens[:, 0])
+    np.testing.assert_array_equal(prepare_position_ids(cu, total_tokens=total), tokens[:, 1])
+    np.testing.assert_array_equal(prepare_chunk_indices(cu, 7, total_chunks=30),
+                                  reference_chunks(lengths, 7, 30))
+    np.testing.assert_array_equal(prepare_chunk_offsets(cu, 7), reference_chunk_offsets(lengths, 7))
+    kernel_offsets = checked_cu_seqlens(cu, total)
+    assert kernel_offsets.dtype == jnp.int32
+    np.testing.assert_array_equal(kernel_offsets, cu_seqlens_of(lengths))
+    # Traced, the same.
+    ids = jax.jit(lambda c: prepare_sequence_ids(c, total_tokens=total))(jnp.asarray(cu))
+    np.testing.assert_array_equal(ids, tokens[:, 0])
+
+
+@settings(max_examples=20, deadline=None)
+@given(lengths=st.lists(st.integers(0, 9), min_size=1, max_size=6), padding=st.integers(0, 3))
+def test_sanitize_leaves_a_valid_packing_alone(lengths, padding):
+    cu = cu_seqlens_of(lengths)
+    total = int(cu[-1]) + padding
+    np.testing.assert_array_equal(sanitize_cu_seqlens(jnp.asarray(cu), total), cu)
+    np.testing.assert_array_equal(jax.jit(sanitize_cu_seqlens, static_argnums=1)(jnp.asarray(cu), total), cu)
+
+
+@pytest.mark.parametrize("garbage, dtype, expect", [
+    ([0, -5, 7, 12], "int32", [0, 0, 7, 10]),                 # negative
+    ([0, -2**31, 5, 2**31 - 1], "int32", [0, 0, 5, 10]),      # INT_MIN, INT_MAX
+    ([0, 9, 3, 12], "int32", [0, 9, 9, 10]),                  # decreasing
+    ([4, 2, 8, 8], "int32", [0, 2, 8, 8]),                    # not starting at 0
+    ([0, 9, 3, 12], "uint32", [0, 9, 9, 10]),                 # unsigned, decreasing
+    ([0, 2**32 - 1, 3, 4], "uint32", [0, 10, 10, 10]),        # would be -1 as int32
+    ([0, -100, 100, 5], "int8", [0, 0, 10, 10]),              # narrow
+])
+def test_sanitize_makes_garbage_a_valid_packing(garbage, dtype, expect):
+    cu = np.array(garbage, np.int64).astype(dtype)
+    out = jax.jit(sanitize_cu_seqlens, static_argnums=1)(jnp.asarray(cu), 10)
+    assert out.dtype == jnp.int32
+    np.testing.assert_array_equal(out, expect)
+
+
+def test_sanitize_clips_int64_before_casting():
+    with jax.enable_x64(True):
+        out = sanitize_cu_seqlens(jnp.asarray([0, 2**33 + 3, 5], jnp.int64), 10)
+    np.testing.assert_array_equal(out, [0, 10, 10])  # not 3, what a wrapping cast would give
 
 
 def test_validate_cu_seqlens_total_tokens_and_tracing():

@@ -243,3 +243,69 @@ def test_bad_packing():
                   cu_seqlens=jnp.array([0, 6], jnp.int32))
     with pytest.raises(ValueError, match="initial_state"):  # 2 sequences, 1 state
         recurrent(q, k, v, initial_state=jnp.zeros((1, 2, 3, 4)), cu_seqlens=jnp.array([0, 2, 6], jnp.int32))
+
+
+# ----------------------------------------------------------------------------------------------
+# Arguments: dtypes, NumPy scalars, integer dtypes of cu_seqlens, empty key/value dimensions.
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argument, dtype", [
+    ("query", jnp.int32), ("key", jnp.bool_), ("value", jnp.int8), ("g", jnp.int32), ("g_gamma", jnp.bool_),
+    ("gk", jnp.int16), ("gv", jnp.uint8), ("initial_state", jnp.int32),
+])
+def test_non_floating_inputs_are_refused(rng, argument, dtype):
+    # A state of integers would be decayed and summed in integer arithmetic: no silent truncation.
+    arrays = {n: jnp.asarray(x, jnp.float32) for n, x in make_inputs(rng, gates=ALL_GATES).items()}
+    arrays[argument] = (arrays[argument] > 0).astype(dtype)
+    with pytest.raises(ValueError, match=f"{argument} must have a floating dtype, got {jnp.dtype(dtype)}"):
+        recurrent(**arrays)
+    with pytest.raises(ValueError, match=argument):
+        reference(**arrays)
+
+
+def test_numpy_scalars_behave_like_python_numbers(rng):
+    inputs = make_inputs(rng, gates=ALL_GATES)
+    check_against_reference(rng, inputs, softmax_scale=np.float32(0.7), reverse=np.bool_(True))
+    arrays = {n: jnp.asarray(x, jnp.float32) for n, x in inputs.items()}
+    for bad in (True, np.bool_(False), "0.5", jnp.ones(2)):
+        with pytest.raises(ValueError, match="softmax_scale"):
+            recurrent(**arrays, softmax_scale=bad)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "uint8", "int16", "uint16", "uint32", "uint64", "int64"])
+def test_cu_seqlens_of_any_integer_dtype(rng, dtype):
+    lengths = [5, 0, 1, 7]
+    cu_seqlens = np.concatenate([[0], np.cumsum(lengths)]).astype(dtype)
+    inputs = make_inputs(rng, batch=1, seq_len=sum(lengths) + 2, gates=("g", "gk"), num_states=len(lengths))
+    check_against_reference(rng, inputs, cu_seqlens=cu_seqlens)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (np.array([0, 9, 3, 12], np.uint8), "non-decreasing"),     # np.diff would say [9, 250, 9]
+    (np.array([0, 9, 3, 12], np.uint32), "non-decreasing"),
+    (np.array([0, 2**32 + 5], np.int64), "int32"),              # jnp.asarray would make it 5
+    (np.array([0, 2**31 + 5], np.uint64), "int32"),
+])
+def test_cu_seqlens_that_would_wrap_are_refused(bad, match):
+    q = jnp.zeros((1, 12, 2, 3))
+    with pytest.raises(ValueError, match=f"cu_seqlens.*{match}"):
+        recurrent(q, q, q, cu_seqlens=bad)
+
+
+@pytest.mark.parametrize("key_dim, value_dim", [(0, 5), (4, 0), (0, 0)])
+def test_empty_key_or_value_dimension(rng, key_dim, value_dim):
+    """An empty state (K = 0 or V = 0) holds nothing: o = (scale q) h is zero, the final state is
+    empty, and every gradient is zero, as in the reference (no ZeroDivisionError for the default
+    scale K ** -0.5: with K = 0 it multiplies nothing)."""
+    arrays = {n: jnp.asarray(x, jnp.float32) for n, x in make_inputs(rng, key_dim=key_dim, value_dim=value_dim,
+                                                                      gates=ALL_GATES).items()}
+    names = list(arrays)
+    for fn in (recurrent, reference):
+        (o, state), vjp = jax.vjp(lambda *a: fn(**dict(zip(names, a))), *arrays.values())
+        assert o.shape == (2, 11, 2, value_dim) and state.shape == (2, 2, key_dim, value_dim)
+        assert float(jnp.abs(o).sum()) == 0.0
+        grads = vjp((jnp.asarray(rng.normal(size=o.shape), jnp.float32), jnp.zeros(state.shape)))
+        for name, grad in zip(names, grads):
+            assert grad.shape == arrays[name].shape, name
+            assert float(jnp.abs(grad).sum()) == 0.0, name
