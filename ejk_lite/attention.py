@@ -44,7 +44,8 @@ import triton.language as tl
 from jax import Array
 
 from ejk_lite.launch import triton_call, vmap_sequentially
-from ejk_lite.masking import EMPTY, BlockMask, TokenRule, _build, _check_block, _check_layout, dense_mask, token_rule
+from ejk_lite.masking import (EMPTY, BlockMask, TokenRule, _build, _check_block, _check_layout,
+                              check_block_mask, dense_mask, token_rule)
 
 LOG2E = tl.constexpr(math.log2(math.e))  # a constexpr: usable inside the kernels too
 _BIG_WINDOW = 2**30
@@ -118,6 +119,14 @@ def _tanh(x):
 
 
 @triton.jit
+def _clamp(x, n):
+    """``x`` clamped to ``[0, n]``. Every count and block index a kernel loads from a mask goes
+    through it: a traced mask cannot be checked, and a wrong one must give wrong numbers, never
+    a read outside the inputs. Two integer instructions per load."""
+    return tl.minimum(tl.maximum(x, 0), n)
+
+
+@triton.jit
 def _logits(q, k, offs_m, offs_n, bias_base, stride_bt, stride_bs, SCALE: tl.constexpr,
             SOFT_CAP: tl.constexpr, T, S, USE_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr,
             DOT_PRECISION: tl.constexpr):
@@ -178,7 +187,7 @@ def _visible(offs_m, offs_n, q_seg, q_pos, kv_seg_base, kv_pos_base, mask_base, 
 
 
 @triton.jit
-def _fwd_tiles(acc, m_i, l_i, q, offs_m, q_seg, q_pos, list_ptr, count,
+def _fwd_tiles(acc, m_i, l_i, q, offs_m, q_seg, q_pos, list_ptr, count, n_blocks,
                k_base, v_base, kv_seg_base, kv_pos_base, mask_base, bias_base, stride_bt, stride_bs,
                SCALE: tl.constexpr, SOFT_CAP: tl.constexpr, window_left, window_right, T, S,
                D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BK: tl.constexpr,
@@ -189,7 +198,7 @@ def _fwd_tiles(acc, m_i, l_i, q, offs_m, q_seg, q_pos, list_ptr, count,
     offs_d = tl.arange(0, BD)
     offs_dv = tl.arange(0, BDV)
     for i in range(count):
-        kb = tl.load(list_ptr + i)
+        kb = _clamp(tl.load(list_ptr + i), n_blocks - 1)
         offs_n = kb * BK + tl.arange(0, BK)
         k = _load_tile(k_base, offs_n, offs_d, S, D, EVEN_S & (D == BD))
         v = _load_tile(v_base, offs_n, offs_dv, S, DV, EVEN_S & (DV == BDV))
@@ -262,15 +271,17 @@ def _attention_fwd_kernel(
     acc = tl.zeros([BQ, BDV], tl.float32)
 
     row = (i_b * stride_bm_b + i_h * stride_bm_h) * n_q_blocks + i_m
-    n_partial = tl.load(partial_count_ptr + row)
-    n_full = tl.load(full_count_ptr + row)
+    n_partial = _clamp(tl.load(partial_count_ptr + row), n_kv_blocks)
+    n_full = _clamp(tl.load(full_count_ptr + row), n_kv_blocks)
     acc, m_i, l_i = _fwd_tiles(
         acc, m_i, l_i, q, offs_m, q_seg, q_pos, partial_index_ptr + row.to(tl.int64) * n_kv_blocks, n_partial,
+        n_kv_blocks,
         k_base, v_base, kv_seg_base, kv_pos_base, mask_base, bias_base, stride_bt, stride_bs,
         SCALE, SOFT_CAP, window_left, window_right, T, S, D, DV, BD, BDV, BK,
         True, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, HAS_BIAS, USE_SOFTCAP, DOT_PRECISION, EVEN_S)
     acc, m_i, l_i = _fwd_tiles(
         acc, m_i, l_i, q, offs_m, q_seg, q_pos, full_index_ptr + row.to(tl.int64) * n_kv_blocks, n_full,
+        n_kv_blocks,
         k_base, v_base, kv_seg_base, kv_pos_base, mask_base, bias_base, stride_bt, stride_bs,
         SCALE, SOFT_CAP, window_left, window_right, T, S, D, DV, BD, BDV, BK,
         False, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, HAS_BIAS, USE_SOFTCAP, DOT_PRECISION, EVEN_S)
@@ -329,7 +340,7 @@ def _bwd_q_side(q_ptr, do_ptr, lse_ptr, delta_ptr, q_seg_ptr, q_pos_ptr, i_bh64,
 
 
 @triton.jit
-def _dkv_tiles(dk, dv, k, v, offs_n, list_ptr, count, i_bh64, i_b, mask_base, bias_base,
+def _dkv_tiles(dk, dv, k, v, offs_n, list_ptr, count, n_blocks, i_bh64, i_b, mask_base, bias_base,
                q_ptr, do_ptr, lse_ptr, delta_ptr, q_seg_ptr, q_pos_ptr, kv_seg_base, kv_pos_base,
                stride_ids_b, stride_bt, stride_bs, SCALE: tl.constexpr, SOFT_CAP: tl.constexpr, window_left, window_right, T, S,
                D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BQ: tl.constexpr,
@@ -338,7 +349,7 @@ def _dkv_tiles(dk, dv, k, v, offs_n, list_ptr, count, i_bh64, i_b, mask_base, bi
                USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_S: tl.constexpr):
     """Accumulate dK, dV of one key block over ``count`` query blocks read from ``list_ptr``."""
     for i in range(count):
-        qb = tl.load(list_ptr + i)
+        qb = _clamp(tl.load(list_ptr + i), n_blocks - 1)
         offs_m = qb * BQ + tl.arange(0, BQ)
         q, do, lse, delta, q_seg, q_pos = _bwd_q_side(
             q_ptr, do_ptr, lse_ptr, delta_ptr, q_seg_ptr, q_pos_ptr, i_bh64, i_b, stride_ids_b, offs_m, T,
@@ -393,16 +404,18 @@ def _attention_dkv_kernel(
         mask_base = token_mask_ptr + i_b.to(tl.int64) * stride_mask_b + i_h.to(tl.int64) * stride_mask_h
         bias_base = bias_ptr + i_b.to(tl.int64) * stride_bb + i_h.to(tl.int64) * stride_bh
         col = (i_b * stride_bm_b + i_h * stride_bm_h) * n_kv_blocks + i_n
-        n_partial = tl.load(t_partial_count_ptr + col)
-        n_full = tl.load(t_full_count_ptr + col)
+        n_partial = _clamp(tl.load(t_partial_count_ptr + col), n_q_blocks)
+        n_full = _clamp(tl.load(t_full_count_ptr + col), n_q_blocks)
         dk, dv = _dkv_tiles(
-            dk, dv, k, v, offs_n, t_partial_index_ptr + col.to(tl.int64) * n_q_blocks, n_partial, i_bh64, i_b,
+            dk, dv, k, v, offs_n, t_partial_index_ptr + col.to(tl.int64) * n_q_blocks, n_partial,
+            n_q_blocks, i_bh64, i_b,
             mask_base, bias_base, q_ptr, do_ptr, lse_ptr, delta_ptr, q_seg_ptr, q_pos_ptr, kv_seg_base,
             kv_pos_base, stride_ids_b, stride_bt, stride_bs, SCALE, SOFT_CAP, window_left, window_right, T, S,
             D, DV, BD, BDV, BQ, True, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, HAS_BIAS,
             USE_SOFTCAP, DOT_PRECISION, EVEN_S)
         dk, dv = _dkv_tiles(
-            dk, dv, k, v, offs_n, t_full_index_ptr + col.to(tl.int64) * n_q_blocks, n_full, i_bh64, i_b,
+            dk, dv, k, v, offs_n, t_full_index_ptr + col.to(tl.int64) * n_q_blocks, n_full,
+            n_q_blocks, i_bh64, i_b,
             mask_base, bias_base, q_ptr, do_ptr, lse_ptr, delta_ptr, q_seg_ptr, q_pos_ptr, kv_seg_base,
             kv_pos_base, stride_ids_b, stride_bt, stride_bs, SCALE, SOFT_CAP, window_left, window_right, T, S,
             D, DV, BD, BDV, BQ, False, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, HAS_BIAS,
@@ -415,9 +428,10 @@ def _attention_dkv_kernel(
 
 
 @triton.jit
-def _dq_tiles(dq, q, do, lse, delta, offs_m, q_seg, q_pos, list_ptr, count, k_base, v_base, kv_seg_base,
-              kv_pos_base, mask_base, bias_base, dbias_base, stride_bt, stride_bs, SCALE: tl.constexpr, SOFT_CAP: tl.constexpr,
-              window_left, window_right, T, S,
+def _dq_tiles(dq, q, do, lse, delta, offs_m, q_seg, q_pos, list_ptr, count, n_blocks, k_base,
+              v_base, kv_seg_base, kv_pos_base, mask_base, bias_base, dbias_base, stride_bt,
+              stride_bs, SCALE: tl.constexpr, SOFT_CAP: tl.constexpr, window_left, window_right,
+              T, S,
               D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BK: tl.constexpr,
               MASKED: tl.constexpr, HAS_SEGMENTS: tl.constexpr, IS_CAUSAL: tl.constexpr,
               HAS_WINDOW: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -426,7 +440,7 @@ def _dq_tiles(dq, q, do, lse, delta, offs_m, q_seg, q_pos, list_ptr, count, k_ba
     offs_d = tl.arange(0, BD)
     offs_dv = tl.arange(0, BDV)
     for i in range(count):
-        kb = tl.load(list_ptr + i)
+        kb = _clamp(tl.load(list_ptr + i), n_blocks - 1)
         offs_n = kb * BK + tl.arange(0, BK)
         k = _load_tile(k_base, offs_n, offs_d, S, D, EVEN_S & (D == BD))
         v = _load_tile(v_base, offs_n, offs_dv, S, DV, EVEN_S & (DV == BDV))
@@ -478,15 +492,17 @@ def _attention_dq_kernel(
     dbias_base = dbias_ptr + i_bh64 * T * S
     dq = tl.zeros([BQ, BD], tl.float32)
     row = (i_b * stride_bm_b + i_h * stride_bm_h) * n_q_blocks + i_m
-    n_partial = tl.load(partial_count_ptr + row)
-    n_full = tl.load(full_count_ptr + row)
+    n_partial = _clamp(tl.load(partial_count_ptr + row), n_kv_blocks)
+    n_full = _clamp(tl.load(full_count_ptr + row), n_kv_blocks)
     dq = _dq_tiles(dq, q, do, lse, delta, offs_m, q_seg, q_pos, partial_index_ptr + row.to(tl.int64) * n_kv_blocks,
-                   n_partial, k_base, v_base, kv_seg_base, kv_pos_base, mask_base, bias_base, dbias_base,
+                   n_partial, n_kv_blocks, k_base, v_base, kv_seg_base, kv_pos_base, mask_base,
+                   bias_base, dbias_base,
                    stride_bt, stride_bs, SCALE, SOFT_CAP, window_left, window_right, T, S, D, DV, BD, BDV, BK,
                    True, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, HAS_BIAS, USE_SOFTCAP,
                    DOT_PRECISION, EVEN_S)
     dq = _dq_tiles(dq, q, do, lse, delta, offs_m, q_seg, q_pos, full_index_ptr + row.to(tl.int64) * n_kv_blocks,
-                   n_full, k_base, v_base, kv_seg_base, kv_pos_base, mask_base, bias_base, dbias_base,
+                   n_full, n_kv_blocks, k_base, v_base, kv_seg_base, kv_pos_base, mask_base,
+                   bias_base, dbias_base,
                    stride_bt, stride_bs, SCALE, SOFT_CAP, window_left, window_right, T, S, D, DV, BD, BDV, BK,
                    False, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, HAS_BIAS, USE_SOFTCAP,
                    DOT_PRECISION, EVEN_S)
@@ -726,11 +742,7 @@ def _mask_spec(B, H, T, S, q_segment_ids, kv_segment_ids, q_positions, kv_positi
         return _MaskSpec(rule, None, None, "and", None)
     if isinstance(qkv_layouts, BlockMask):
         given = qkv_layouts
-        if (given.q_len, given.kv_len) != (T, S):
-            raise ValueError(f"qkv_layouts covers lengths {(given.q_len, given.kv_len)}, the inputs {(T, S)}")
-        Bm, Hm = given.kinds.shape[:2]
-        if Bm not in (1, B) or Hm not in (1, H):
-            raise ValueError(f"qkv_layouts has batch {Bm} and heads {Hm}; expected 1 or {B}, 1 or {H}")
+        check_block_mask(given, "qkv_layouts", B, H, T, S)
         if rule is None:
             return _MaskSpec(given.rule, given.layout, given.layout_block, given.combine, given)
         if given.rule is None:

@@ -582,3 +582,107 @@ def intersection(a: BlockMask, b: BlockMask) -> BlockMask:
 def union(a: BlockMask, b: BlockMask) -> BlockMask:
     """Pairs visible in either mask. Cheap when one side is a layout; otherwise through the dense mask."""
     return _combine(a, b, "or")
+
+
+# ----------------------------------------------------------------------------------------------
+# A mask that comes from outside: its arrays decide which memory the kernels read.
+# ----------------------------------------------------------------------------------------------
+
+# (prefix, kind listed, transposed): the four padded lists of a BlockMask
+_LISTS = (("partial", PARTIAL, False), ("full", FULL, False),
+          ("t_partial", PARTIAL, True), ("t_full", FULL, True))
+
+
+def _is_concrete(x: Any) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
+def check_block_mask(mask: Any, name: str, batch: int, heads: int, q_len: int, kv_len: int) -> None:
+    """Check a caller's :class:`BlockMask` against the call: shapes and dtypes always (they are
+    static), values when the arrays are concrete. The kernels read key and query blocks at the
+    listed indices, so a list that points outside its range would read outside the inputs.
+
+    Under ``jit`` the values cannot be checked; the kernels clamp every index and count they
+    load, so a wrong traced mask gives wrong numbers, never a read outside the arrays.
+    """
+    if not isinstance(mask, BlockMask):
+        raise ValueError(f"{name} must be a BlockMask, got {type(mask).__name__}")
+    if (mask.q_len, mask.kv_len) != (q_len, kv_len):
+        raise ValueError(f"{name} covers lengths {(mask.q_len, mask.kv_len)}, the inputs "
+                         f"{(q_len, kv_len)}")
+    _check_block(f"{name}.q_block", mask.q_block)
+    _check_block(f"{name}.kv_block", mask.kv_block)
+    shape = tuple(getattr(mask.kinds, "shape", ()))
+    if len(shape) != 4:
+        hint = (": its arrays have a leading axis from jax.vmap; use it inside the same vmap, or "
+                "index one element" if len(shape) == 5 else "")
+        raise ValueError(f"{name}.kinds must have 4 axes [batch or 1, heads or 1, n_q_blocks, "
+                         f"n_kv_blocks], got shape {shape}{hint}")
+    Bm, Hm = shape[:2]
+    if Bm not in (1, batch) or Hm not in (1, heads):
+        raise ValueError(f"{name} has batch {Bm} and heads {Hm}; expected 1 or {batch}, "
+                         f"1 or {heads}")
+    nQ, nK = -(-q_len // mask.q_block), -(-kv_len // mask.kv_block)
+    expected = {"kinds": ((Bm, Hm, nQ, nK), jnp.int8)}
+    for prefix, _, transposed in _LISTS:
+        rows, cols = (nK, nQ) if transposed else (nQ, nK)
+        expected[f"{prefix}_count"] = ((Bm, Hm, rows), jnp.int32)
+        expected[f"{prefix}_index"] = ((Bm, Hm, rows, cols), jnp.int32)
+    for field, (want, dtype) in expected.items():
+        x = getattr(mask, field)
+        got = (tuple(getattr(x, "shape", ())), getattr(x, "dtype", None))
+        if got != (want, dtype):
+            raise ValueError(f"{name}.{field} must be {jnp.dtype(dtype).name} of shape "
+                             f"{list(want)} (blocks {mask.q_block} x {mask.kv_block}), "
+                             f"got {got[1]} of shape "
+                             f"{list(got[0])}")
+    if mask.rule is not None:
+        _check_rule_shapes(mask.rule, f"{name}.rule", batch, heads, q_len, kv_len)
+    if all(_is_concrete(getattr(mask, field)) for field in expected):
+        _check_mask_values(mask, name)
+
+
+def _check_rule_shapes(rule: TokenRule, name: str, batch: int, heads: int, T: int, S: int) -> None:
+    for field, length in (("q_segment_ids", T), ("kv_segment_ids", S), ("q_positions", T),
+                          ("kv_positions", S)):
+        x = getattr(rule, field)
+        if x is not None and (len(x.shape) != 2 or x.shape[0] not in (1, batch)
+                              or x.shape[1] != length):
+            raise ValueError(f"{name}.{field} must have shape [1 or {batch}, {length}], "
+                             f"got {list(x.shape)}")
+    am = rule.attention_mask
+    if am is not None and (len(am.shape) != 4 or am.shape[0] not in (1, batch)
+                           or am.shape[1] not in (1, heads) or tuple(am.shape[2:]) != (T, S)):
+        raise ValueError(f"{name}.attention_mask must have shape [1 or {batch}, 1 or {heads}, "
+                         f"{T}, {S}], got {list(am.shape)}")
+
+
+def _check_mask_values(mask: BlockMask, name: str) -> None:
+    """Kinds in {EMPTY, PARTIAL, FULL}; each list's count in ``[0, n]``, its first ``count`` entries
+    in ``[0, n)``, ascending, and exactly the tiles of its kind. Vectorised NumPy, O(tiles)."""
+    kinds = np.asarray(mask.kinds)
+    if not np.isin(kinds, (EMPTY, PARTIAL, FULL)).all():
+        raise ValueError(f"{name}.kinds must hold only {EMPTY}, {PARTIAL}, {FULL} "
+                         "(empty, partial, full)")
+    for prefix, kind, transposed in _LISTS:
+        k = kinds.swapaxes(-1, -2) if transposed else kinds
+        n = k.shape[-1]
+        count = np.asarray(getattr(mask, f"{prefix}_count"))
+        index = np.asarray(getattr(mask, f"{prefix}_index"))
+        if count.size == 0:
+            continue
+        if count.min() < 0 or count.max() > n:
+            raise ValueError(f"{name}.{prefix}_count must lie in [0, {n}], got values in "
+                             f"[{count.min()}, {count.max()}]")
+        valid = np.arange(n) < count[..., None]
+        outside = valid & ((index < 0) | (index >= n))
+        if outside.any():
+            raise ValueError(f"{name}.{prefix}_index: its first {prefix}_count entries must lie in "
+                             f"[0, {n}), got {index[outside][0]}")
+        if not np.array_equal(count, np.sum(k == kind, axis=-1)):
+            raise ValueError(f"{name}.{prefix}_count disagrees with {name}.kinds")
+        listed = np.take_along_axis(k, np.where(valid, index, 0), axis=-1) == kind
+        ascending = np.diff(index, axis=-1) > 0
+        if not (listed | ~valid).all() or not (ascending | ~valid[..., 1:]).all():
+            raise ValueError(f"{name}.{prefix}_index must list the tiles {name}.kinds marks "
+                             f"{'partial' if kind == PARTIAL else 'full'}, ascending")
