@@ -65,6 +65,14 @@ class BlockSizes:
     num_warps: int = 4
     num_stages: int = 2
 
+    def __post_init__(self):
+        # Triton specialises on these; a NumPy int is an int, a bool or a float is a mistake.
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+                raise ValueError(f"BlockSizes.{field.name} must be an int, got {value!r}")
+            object.__setattr__(self, field.name, int(value))
+
     @staticmethod
     def forward(head_dim: int, dtype: Any = jnp.bfloat16) -> BlockSizes:
         """Defaults measured on an H100 (bench/attention.py); float32 tiles are twice the bytes, so
@@ -678,6 +686,20 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 # ----------------------------------------------------------------------------------------------
 
 
+def _real_number(name: str, x: Any, *, positive: bool) -> float:
+    """A Python or NumPy real scalar as a Python float. The kernels are specialised on it, so it
+    must be static, and finite: ``inf`` or ``nan`` would only give NaN. A bool is refused (``True``
+    is 1 by accident, not by intent)."""
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, float, np.integer, np.floating)):
+        raise ValueError(f"{name} must be a real number (a Python or NumPy scalar: static), "
+                         f"got {x!r}")
+    number = float(x)
+    if not math.isfinite(number) or (positive and number <= 0):
+        kind = "finite positive" if positive else "finite"
+        raise ValueError(f"{name} must be a {kind} number, got {x!r}")
+    return number
+
+
 def _check_inputs(query, key, value, softmax_aux, bias, logits_soft_cap, softmax_scale):
     for name, x in (("query", query), ("key", key), ("value", value)):
         if not hasattr(x, "shape") or len(x.shape) != 4:
@@ -685,6 +707,11 @@ def _check_inputs(query, key, value, softmax_aux, bias, logits_soft_cap, softmax
                              f"got shape {getattr(x, 'shape', None)}")
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise ValueError(f"{name} must have a floating dtype, got {x.dtype}")
+    if not query.dtype == key.dtype == value.dtype:
+        # The kernels multiply q by k and p by v in one precision; promoting one side silently
+        # would hide a forgotten cast and change the precision (and memory) of the whole call.
+        raise ValueError(f"query, key and value must have one dtype, got {query.dtype}, "
+                         f"{key.dtype} and {value.dtype}: cast them to one")
     B, H, T, D = query.shape
     if key.shape[0] != B or value.shape[0] != B:
         raise ValueError(f"key and value must have the query's batch {B}, got {key.shape[0]} and {value.shape[0]}")
@@ -703,17 +730,20 @@ def _check_inputs(query, key, value, softmax_aux, bias, logits_soft_cap, softmax
             raise ValueError(f"softmax_aux must be a float array [num_heads] = [{H}], "
                              f"got {getattr(softmax_aux, 'shape', None)}")
     if bias is not None:
-        shape = tuple(getattr(bias, "shape", ()))
+        if not hasattr(bias, "shape") or not hasattr(bias, "dtype"):
+            raise ValueError(f"bias must be a float array broadcastable to [batch, heads, q_len, "
+                             f"kv_len] or a real number, got {type(bias).__name__}")
+        shape = tuple(bias.shape)
         full = (B, H, T, S)
         padded = (1,) * (4 - len(shape)) + shape
         if len(shape) > 4 or any(b not in (1, f) for b, f in zip(padded, full)):
             raise ValueError(f"bias must broadcast to [batch, heads, q_len, kv_len] = {list(full)}, got {list(shape)}")
         if not jnp.issubdtype(bias.dtype, jnp.floating):
             raise ValueError(f"bias must have a floating dtype, got {bias.dtype}")
-    if logits_soft_cap is not None and not (isinstance(logits_soft_cap, (int, float)) and logits_soft_cap > 0):
-        raise ValueError(f"logits_soft_cap must be a positive number, got {logits_soft_cap!r}")
-    if softmax_scale is not None and not isinstance(softmax_scale, (int, float, np.floating, np.integer)):
-        raise ValueError(f"softmax_scale must be a Python number (static), got {type(softmax_scale).__name__}")
+    if logits_soft_cap is not None:
+        _real_number("logits_soft_cap", logits_soft_cap, positive=True)
+    if softmax_scale is not None:
+        _real_number("softmax_scale", softmax_scale, positive=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -789,6 +819,10 @@ def _reference_spec(query, key, value, softmax_aux, bias, spec: _MaskSpec, scale
 def _prepare(query, key, value, q_segment_ids, kv_segment_ids, q_positions, kv_positions, softmax_aux, bias,
              attention_mask, logits_soft_cap, qkv_layouts, softmax_scale, mask_builder, sliding_window,
              chunk_size, causal, default_block):
+    if (isinstance(bias, (int, float, np.integer, np.floating))
+            and not isinstance(bias, (bool, np.bool_))):
+        # A number broadcasts like a 0-d array (as in NumPy); with sinks it even matters.
+        bias = jnp.asarray(bias, jnp.float32)
     _check_inputs(query, key, value, softmax_aux, bias, logits_soft_cap, softmax_scale)
     B, H, T, D = query.shape
     S = key.shape[2]
@@ -886,18 +920,22 @@ def blocksparse_attention(
     ``softmax_aux`` and ``bias``.
 
     Args:
-        query: ``[B, Hq, T, D]``; key: ``[B, Hkv, S, D]``; value: ``[B, Hkv, S, Dv]``, ``Hq % Hkv == 0``.
+        query: ``[B, Hq, T, D]``; key: ``[B, Hkv, S, D]``; value: ``[B, Hkv, S, Dv]``,
+            ``Hq % Hkv == 0``, all three of one dtype.
         q_segment_ids, kv_segment_ids: ``[B, T]`` / ``[B, S]`` ints; only equal ids attend (packing).
+            Any integer dtype; ids are compared exactly (64-bit ids that do not fit in int32 are
+            renumbered by rank, never truncated).
         q_positions, kv_positions: ``[B, T]`` / ``[B, S]`` ints for ``causal`` and the window
-            (``arange`` by default), in ``(-2**30, 2**30)``.
+            (``arange`` by default), in ``(-2**30, 2**30)`` (checked when concrete).
         softmax_aux: ``[Hq]`` one sink logit per head, in every row's denominator, with no value.
-        bias: broadcastable to ``[B, Hq, T, S]``, added to the (soft-capped) logits.
+        bias: broadcastable to ``[B, Hq, T, S]`` (a number too), added to the (soft-capped) logits.
         attention_mask: ``[B or 1, Hq or 1, T, S]`` bool or 0/1; honoured exactly.
-        logits_soft_cap: ``cap``: logits become ``cap * tanh(logits / cap)`` before the bias.
+        logits_soft_cap: ``cap``, a finite positive Python or NumPy number: logits become
+            ``cap * tanh(logits / cap)`` before the bias.
         qkv_layouts: a :class:`~ejk_lite.masking.BlockMask` (e.g. from ``make_block_mask``, built once
             and reused across layers), or a boolean block layout ``[nQ, nK]`` / ``[Hq, nQ, nK]`` whose
             tiles are ``chunk_size`` tokens (default 128); listed tiles may be visited.
-        softmax_scale: a Python number, ``D ** -0.5`` by default.
+        softmax_scale: a finite Python or NumPy number, ``D ** -0.5`` by default.
         mask_builder: a callable with no arguments returning what ``qkv_layouts`` takes.
         sliding_window: ``W`` or ``(left, right)``: visible iff ``q_pos - left <= kv_pos <= q_pos + right``.
         chunk_size: tile size of a boolean ``qkv_layouts`` (int or ``(q, kv)``).

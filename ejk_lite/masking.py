@@ -29,7 +29,9 @@ ends of the sequences do not count). With a token ``attention_mask`` this is com
 mask; without one, from per-block summaries (for *full*) and a binary search per query token over each
 key block's keys sorted by (segment, position) (for *any*), which is exact for positions in any order.
 
-Positions are ``int32`` and must lie in ``(-2**30, 2**30)``; windows are clipped to ``2**30``.
+Positions are ``int32`` and must lie in ``(-2**30, 2**30)`` (checked when concrete); windows are
+clipped to ``2**30``. Segment ids of any integer dtype are compared exactly: ids that do not fit in
+int32 are renumbered by their rank (order and equality kept).
 """
 
 from __future__ import annotations
@@ -409,7 +411,8 @@ def _check_block(name: str, size: Any) -> None:
         raise ValueError(f"{name} must be a power of two, got {size!r}")
 
 
-def _check_ids(name: str, x: Any, length: int, batch: int | None) -> Array | None:
+def _check_ids(name: str, x: Any, length: int, batch: int | None) -> Any:
+    """Shape and dtype of ids ``[batch or 1, length]``; returned as given (NumPy or JAX)."""
     if x is None:
         return None
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
@@ -418,9 +421,58 @@ def _check_ids(name: str, x: Any, length: int, batch: int | None) -> Array | Non
         raise ValueError(f"{name} must have shape [batch, {length}], got {tuple(x.shape)}")
     if batch is not None and x.shape[0] not in (1, batch):
         raise ValueError(f"{name} has batch {x.shape[0]}, expected 1 or {batch}")
-    if not jnp.issubdtype(x.dtype, jnp.integer):
+    if not jnp.issubdtype(x.dtype, jnp.integer) or x.dtype == jnp.bool_:
         raise ValueError(f"{name} must have an integer dtype, got {x.dtype}")
+    return x
+
+
+def _fits_int32(dtype: Any) -> bool:
+    return jnp.iinfo(dtype).min >= _I32_MIN and jnp.iinfo(dtype).max <= _I32_MAX
+
+
+def _positions_int32(name: str, x: Any) -> Array | None:
+    """Positions as int32. Concrete values outside ``(-2**30, 2**30)`` are an error: the kernels
+    compute ``kv_pos - q_pos`` and ``pos +- window`` in int32, which would overflow. Traced values
+    cannot be checked here; the documented range is the caller's to keep."""
+    if x is None:
+        return None
+    if _is_concrete(x) and np.asarray(x).size:
+        values = np.asarray(x)
+        low, high = values.min(), values.max()
+        if low <= -_BIG or high >= _BIG:
+            raise ValueError(f"{name} must lie in (-2**30, 2**30), got values in [{low}, {high}]")
+        return jnp.asarray(values.astype(np.int32))
     return jnp.asarray(x).astype(jnp.int32)
+
+
+def _segments_int32(q_ids: Any, kv_ids: Any) -> tuple[Array, Array]:
+    """Segment ids as int32, equal exactly where the given ids are equal (only equality matters,
+    and their order, which the mask builder uses to find sorted keys). Ids whose dtype fits in
+    int32 are cast; wider ones (int64, uint32, ...) that do not fit are replaced by their rank
+    among all the ids of the call, which keeps both, for any values: no two ids merge."""
+    if _fits_int32(q_ids.dtype) and _fits_int32(kv_ids.dtype):
+        return jnp.asarray(q_ids).astype(jnp.int32), jnp.asarray(kv_ids).astype(jnp.int32)
+    if _is_concrete(q_ids) and _is_concrete(kv_ids):
+        q, kv = np.asarray(q_ids), np.asarray(kv_ids)
+        both = np.concatenate([q.ravel(), kv.ravel()])
+        if both.size == 0 or (both.min() >= _I32_MIN and both.max() <= _I32_MAX):
+            return jnp.asarray(q.astype(np.int32)), jnp.asarray(kv.astype(np.int32))
+        ranks = np.unique(both, return_inverse=True)[1].astype(np.int32)
+        return (jnp.asarray(ranks[:q.size].reshape(q.shape)),
+                jnp.asarray(ranks[q.size:].reshape(kv.shape)))
+    # Traced (a 64-bit dtype exists only with jax_enable_x64): the rank, computed in the graph.
+    dtype = jnp.promote_types(q_ids.dtype, kv_ids.dtype)
+    if not jnp.issubdtype(dtype, jnp.integer):
+        raise ValueError(f"q_segment_ids ({q_ids.dtype}) and kv_segment_ids ({kv_ids.dtype}) "
+                         "have no common integer dtype: give them one dtype")
+    both = jnp.concatenate([jnp.ravel(q_ids).astype(dtype), jnp.ravel(kv_ids).astype(dtype)])
+    order = jnp.argsort(both)
+    ordered = both[order]
+    new_value = jnp.concatenate([jnp.zeros(1, jnp.int32),
+                                 (ordered[1:] != ordered[:-1]).astype(jnp.int32)])
+    ranks = jnp.zeros(both.shape, jnp.int32).at[order].set(jnp.cumsum(new_value))
+    n_q = int(np.prod(q_ids.shape))
+    return ranks[:n_q].reshape(q_ids.shape), ranks[n_q:].reshape(kv_ids.shape)
 
 
 def normalize_window(sliding_window: Any) -> tuple[int, int] | None:
@@ -450,6 +502,13 @@ def token_rule(q_len: int, kv_len: int, *, q_segment_ids=None, kv_segment_ids=No
     window = normalize_window(sliding_window)
     if not isinstance(causal, (bool, np.bool_)):
         raise ValueError(f"causal must be a bool, got {causal!r}")
+    if q_segment_ids is not None:
+        q_segment_ids, kv_segment_ids = _segments_int32(q_segment_ids, kv_segment_ids)
+    if causal or window is not None:  # positions matter only to causal and window rules
+        q_positions = _positions_int32("q_positions", q_positions)
+        kv_positions = _positions_int32("kv_positions", kv_positions)
+    else:
+        q_positions = kv_positions = None
     if attention_mask is not None:
         shape = getattr(attention_mask, "shape", None)
         if shape is None or len(shape) != 4 or tuple(shape[2:]) != (q_len, kv_len):
@@ -471,8 +530,6 @@ def token_rule(q_len: int, kv_len: int, *, q_segment_ids=None, kv_segment_ids=No
         raise ValueError(f"segment ids, positions and attention_mask disagree on the batch size: {sorted(batches)}")
     if all(a is None for a in ids) and attention_mask is None and not causal and window is None:
         return None
-    if not causal and window is None:  # positions matter only to causal and window rules
-        q_positions = kv_positions = None
     return TokenRule(q_segment_ids, kv_segment_ids, q_positions, kv_positions, attention_mask,
                      causal=bool(causal), window=window)
 

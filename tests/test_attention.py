@@ -450,6 +450,22 @@ def bad_inputs():
         ("bwd_blocks", dict(bwd_blocks=(BlockSizes(16, 16),) * 3)),
         ("block_kv", dict(bwd_blocks=(BlockSizes(16, 16), BlockSizes(16, 48)))),
         ("qkv_layouts or mask_builder", dict(qkv_layouts=np.ones((1, 1), bool), mask_builder=lambda: None)),
+        # Values that used to give NaN, zeros or nonsense without a word.
+        ("q_positions", dict(q_positions=np.full((2, 16), 2**30, np.int64))),
+        ("kv_positions", dict(kv_positions=np.full((2, 24), -2**30, np.int32), sliding_window=4)),
+        ("logits_soft_cap", dict(logits_soft_cap=float("inf"))),
+        ("logits_soft_cap", dict(logits_soft_cap=float("nan"))),
+        ("logits_soft_cap", dict(logits_soft_cap=True)),
+        ("softmax_scale", dict(softmax_scale=float("nan"))),
+        ("softmax_scale", dict(softmax_scale=np.float32("inf"))),
+        ("softmax_scale", dict(softmax_scale=True)),
+        ("softmax_scale", dict(softmax_scale=jnp.float32(0.5))),
+        ("bias", dict(bias=True)),
+        ("bias", dict(bias=[0.5])),
+        ("query, key and value must have one dtype", dict(query=q.astype(np.float16))),
+        ("qkv_layouts.kinds", dict(qkv_layouts=jax.vmap(lambda ids: make_block_mask(
+            16, 24, q_block=16, kv_block=16, q_segment_ids=ids, kv_segment_ids=ids[:, :1].repeat(24, 1)))(
+                np.zeros((3, 1, 16), np.int32)), causal=False)),
     ], dict(query=q, key=k, value=v)
 
 
@@ -461,3 +477,64 @@ def test_bad_input_names_the_argument(name, kwargs):
     arguments = dict(BASE, **kwargs)
     with pytest.raises(ValueError, match=name):
         blocksparse_attention(**arguments)
+
+
+@pytest.mark.parametrize("field, value", [("block_q", 16.0), ("block_kv", True), ("num_warps", "4"),
+                                          ("num_stages", np.float64(2))])
+def test_block_sizes_take_ints_only(field, value):
+    with pytest.raises(ValueError, match=f"BlockSizes.{field}"):
+        BlockSizes(**dict(dict(block_q=16, block_kv=16), **{field: value}))
+
+
+# ----------------------------------------------------------------------------------------------
+# Arguments that used to fail deep inside, or to be misread: now the right answer.
+# ----------------------------------------------------------------------------------------------
+
+
+def test_numpy_scalars_and_a_number_as_bias(rng):
+    """NumPy scalars for logits_soft_cap, softmax_scale and the block sizes are taken as Python
+    numbers; a Python number as bias broadcasts like a 0-d array (with sinks it changes the result)."""
+    arrays = make_inputs(rng, T=40, D=32, q_scale=8.0, sinks=True)
+    options = dict(causal=True, logits_soft_cap=np.float32(3.0), softmax_scale=np.float64(0.2), bias=0.75)
+    blocks = BlockSizes(np.int64(16), np.int32(16), np.int64(4), np.int8(2))
+    assert type(blocks.block_q) is int and blocks == BWD.__class__(16, 16)
+    xs = {k: jnp.asarray(v, jnp.float32) for k, v in arrays.items()}
+    out = blocksparse_attention(**xs, **options, impl="triton", fwd_blocks=blocks, bwd_blocks=BWD)
+    with jax.enable_x64(True):
+        ref = reference(**{k: jnp.asarray(v, jnp.float64) for k, v in arrays.items()}, causal=True,
+                        logits_soft_cap=3.0, softmax_scale=0.2, bias=jnp.full((1, 1, 1, 1), 0.75))
+        without_bias = reference(**{k: jnp.asarray(v, jnp.float64) for k, v in arrays.items()},
+                                 causal=True, logits_soft_cap=3.0, softmax_scale=0.2)
+    assert rel_err(out, ref) <= TOLERANCE["float32"]
+    assert rel_err(ref, without_bias) > 1e-3  # the sink makes a uniform bias matter
+    expected = numpy_attention(**arrays, bias=0.75, logits_soft_cap=3.0, softmax_scale=0.2, causal=True)
+    assert rel_err(out, expected) <= TOLERANCE["float32"]
+
+
+def test_wide_segment_ids_never_merge(rng):
+    """int64 segment ids that differ by a multiple of 2**32 are different documents (they used to
+    be cast to int32 and merge): equal to the same documents numbered 0, 1, 2, ..."""
+    B, T = 2, 48
+    doc = documents(rng, B, T)
+    ids = doc["q_segment_ids"]
+    wide = ids.astype(np.int64) * 2**32 + 5  # every id the same modulo 2**32
+    arrays = make_inputs(rng, B=B, T=T)
+    narrow_options = dict(doc)
+    wide_options = dict(doc, q_segment_ids=wide, kv_segment_ids=wide)
+    out, grads, ref, ref_grads, inputs64 = run(arrays, jnp.float32, wide_options, cotangent_rng=rng)
+    expected = numpy_attention(**inputs64, **narrow_options)
+    assert rel_err(out, expected) <= TOLERANCE["float32"]
+    assert rel_err(ref, expected) <= 1e-12
+    for name in grads:
+        assert rel_err(grads[name], ref_grads[name]) <= TOLERANCE["float32"], name
+    # Traced (under jit, with 64-bit integers enabled): the same answer.
+    with jax.enable_x64(True):
+        xs = {k: jnp.asarray(v, jnp.float32) for k, v in arrays.items()}
+        traced = jax.jit(lambda xs, q_ids, kv_ids: blocksparse_attention(
+            **xs, **dict(wide_options, q_segment_ids=q_ids, kv_segment_ids=kv_ids), impl="triton",
+            fwd_blocks=FWD, bwd_blocks=BWD))(xs, jnp.asarray(wide), jnp.asarray(wide + 2**40))
+        assert rel_err(traced, expected) > 0.1  # q and kv ids now differ everywhere: nothing visible
+        same = jax.jit(lambda xs, ids: blocksparse_attention(
+            **xs, **dict(wide_options, q_segment_ids=ids, kv_segment_ids=ids), impl="triton",
+            fwd_blocks=FWD, bwd_blocks=BWD))(xs, jnp.asarray(wide))
+    assert rel_err(same, expected) <= TOLERANCE["float32"]

@@ -307,6 +307,22 @@ def test_builder_edge_cases(case, rng):
         assert kinds.shape[-2:] == (1, 1) and np.all(kinds == FULL)
 
 
+def test_wide_segment_ids_are_exact(rng):
+    """int64 / uint32 ids: equality decides, for any values (ids equal modulo 2**32 stay apart), and
+    positions outside the int32 dtype but inside (-2**30, 2**30) are fine as int64."""
+    T, S, bq, bk = 50, 23, 16, 4
+    rule = random_rule(rng, T, S)
+    q_ids = rule["q_segment_ids"].astype(np.int64) * 2**32 - 3 * 2**40
+    kv_ids = rule["kv_segment_ids"].astype(np.int64) * 2**32 - 3 * 2**40
+    kw = dict(rule, q_segment_ids=q_ids, kv_segment_ids=kv_ids, causal=True,
+              q_positions=rule["q_positions"].astype(np.int64))
+    mask = build_and_check(T, S, bq, bk, **kw)
+    assert mask.rule.q_segment_ids.dtype == np.int32
+    unsigned = dict(kw, q_segment_ids=rule["q_segment_ids"].astype(np.uint32) + np.uint32(2**31),
+                    kv_segment_ids=rule["kv_segment_ids"].astype(np.uint32) + np.uint32(2**31))
+    build_and_check(T, S, bq, bk, **unsigned)
+
+
 # ----------------------------------------------------------------------------------------------
 # Other block sizes, composition.
 # ----------------------------------------------------------------------------------------------
@@ -516,6 +532,9 @@ BAD_INPUTS = [
     ("attention_mask", dict(attention_mask=np.ones((1, 1, 16, 24), np.float32))),
     ("batch", dict(q_segment_ids=IDS_T, kv_segment_ids=np.zeros((3, 24), np.int32))),
     ("q_len", dict(q_len=-1)),
+    ("q_positions", dict(q_positions=np.full((B, 16), 2**30, np.int64), causal=True)),
+    ("kv_positions", dict(kv_positions=np.full((B, 24), -2**31, np.int64), sliding_window=3)),
+    ("q_segment_ids", dict(q_segment_ids=np.zeros((B, 16), bool), kv_segment_ids=IDS_S)),
 ]
 
 
