@@ -21,6 +21,12 @@ instruction). Starting from ``m = sink, l = 1`` counts the sink exactly once. Th
 
 The soft cap's derivative ``1 - tanh^2`` lies in ``[0, 1]``: no overflow, however large the logits.
 
+A NaN stays in the rows that can see it. Multiplying by ``p = 0`` is not enough to drop an
+invisible key (``0 * NaN`` is NaN), so partial tiles *select* instead: the forward zeroes
+non-finite ``v`` rows before its product and sets NaN in exactly the rows that see one; the
+backward selects ``p`` and ``ds`` on visibility and zeroes non-finite ``q`` (for dK) and ``k``
+(for dQ) before its products. Full tiles need none of it (every row sees every key there).
+
 Which tiles: a :class:`ejk_lite.masking.BlockMask` at the kernel's block sizes lists, per query
 block, the *partial* key blocks (the token rule is evaluated pair by pair) and the *full* ones (no
 per-token test); the dK/dV kernel walks the transposed lists. The backward builds the mask at its
@@ -173,9 +179,10 @@ def _load_tile(base, offs_r, offs_c, n_rows, N_COLS: tl.constexpr, EVEN: tl.cons
 def _visible(offs_m, offs_n, q_seg, q_pos, kv_seg_base, kv_pos_base, mask_base, window_left,
              window_right, T, S, MASKED: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
              IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr):
-    """Which pairs of a tile are visible: in range, and (in partial tiles) the token rule holds."""
+    """Which pairs of a tile are visible: in range, and (in partial tiles) the token rule holds.
+    Rows past T see nothing: in the backward a NaN must not reach dK through a padding row."""
     in_kv = offs_n < S
-    visible = (offs_m >= 0)[:, None] & in_kv[None, :]
+    visible = (offs_m < T)[:, None] & in_kv[None, :]
     if MASKED:
         if HAS_SEGMENTS:
             kv_seg = tl.load(kv_seg_base + offs_n, mask=in_kv, other=0)
@@ -189,9 +196,14 @@ def _visible(offs_m, offs_n, q_seg, q_pos, kv_seg_base, kv_pos_base, mask_base, 
                 visible &= (d >= -window_left) & (d <= window_right)
         if HAS_TOKEN_MASK:
             ptrs = mask_base + offs_m.to(tl.int64)[:, None] * S + offs_n[None, :]
-            in_range = (offs_m < T)[:, None] & in_kv[None, :]
-            visible &= tl.load(ptrs, mask=in_range, other=0) != 0
+            visible &= tl.load(ptrs, mask=visible, other=0) != 0
     return visible
+
+
+@triton.jit
+def _finite(x):
+    """Where ``x`` is finite: ``x - x`` is exactly 0 for a finite ``x``, NaN for inf and NaN."""
+    return (x - x) == 0
 
 
 @triton.jit
@@ -217,12 +229,22 @@ def _fwd_tiles(acc, m_i, l_i, q, offs_m, q_seg, q_pos, list_ptr, count, n_blocks
                            HAS_WINDOW, HAS_TOKEN_MASK)
         if MASKED or not EVEN_S:  # full tiles of an even length: every pair is visible
             s = tl.where(visible, s, float("-inf"))
+        if MASKED:
+            # A NaN (or inf) in the v row of a key that a row cannot see must not reach that row,
+            # as p = 0 times NaN would: zero such v rows for the dot, and poison exactly the rows
+            # that do see one. Full tiles need none of it: every row sees every key there.
+            finite = _finite(v)
+            v = tl.where(finite, v, tl.zeros_like(v))
+            bad_key = tl.max(tl.where(finite, 0, 1), 1) > 0
+            poisoned = tl.max(tl.where(visible & bad_key[None, :], 1, 0), 1) > 0
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
         alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        if MASKED:  # NaN stays NaN through every later rescaling and sum
+            acc = tl.where(poisoned[:, None], float("nan"), acc)
         m_i = m_new
     return acc, m_i, l_i
 
@@ -295,10 +317,11 @@ def _attention_fwd_kernel(
         False, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, HAS_BIAS, USE_SOFTCAP, DOT_PRECISION, EVEN_S)
 
     # A row that saw no key (and has no sink) has l = 0: its output is 0 and its lse +inf, so that
-    # the backward's p = exp2(s - lse) is 0 for it.
-    seen = l_i > 0.0
-    o = acc / tl.where(seen, l_i, 1.0)[:, None]
-    lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("inf"))
+    # the backward's p = exp2(s - lse) is 0 for it. A row that saw a NaN logit has l = NaN: its
+    # lse stays NaN, so that the backward's p is NaN for it wherever it sees, as autodiff's.
+    empty = l_i == 0.0
+    o = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
     tl.store(o_ptr + i_bh64 * T * DV + offs_m[:, None] * DV + offs_dv[None, :], o.to(o_ptr.dtype.element_ty),
              mask=in_q[:, None] & (offs_dv < DV)[None, :])
     tl.store(lse_ptr + i_bh64 * T + offs_m, lse, mask=in_q)
@@ -317,14 +340,21 @@ def _bwd_tile(q, k, v, do, lse, delta, offs_m, offs_n, q_seg, q_pos, kv_seg_base
                        window_left, window_right, T, S, MASKED, HAS_SEGMENTS, IS_CAUSAL,
                        HAS_WINDOW, HAS_TOKEN_MASK)
     p = tl.exp2(s - lse[:, None])
-    if MASKED or not EVEN_S:  # full tiles of an even length: every pair is visible
-        p = tl.where(visible, p, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
     ds = p * (dp - delta[:, None])  # dL/d(logit after the soft cap): also dL/dbias
     if USE_SOFTCAP:
         d_raw = ds * (1.0 - t * t)  # through cap * tanh(s / cap): a factor in [0, 1]
     else:
         d_raw = ds
+    if MASKED or not EVEN_S:  # full tiles of an even length: every pair is visible
+        # Selected, never multiplied by a zero p: a NaN of an invisible key (in dp, t) or of a
+        # row's lse or delta must not reach the keys and rows that cannot see it.
+        p = tl.where(visible, p, 0.0)
+        ds = tl.where(visible, ds, 0.0)
+        if USE_SOFTCAP:
+            d_raw = tl.where(visible, d_raw, 0.0)
+        else:
+            d_raw = ds
     return p, ds, d_raw
 
 
@@ -367,6 +397,8 @@ def _dkv_tiles(dk, dv, k, v, offs_n, list_ptr, count, n_blocks, i_bh64, i_b, mas
                              window_left, window_right, T, S, MASKED, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW,
                              HAS_TOKEN_MASK, HAS_BIAS, USE_SOFTCAP, DOT_PRECISION, EVEN_S)
         dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PRECISION)
+        if MASKED:  # a NaN q row that cannot see this key block must not reach dK as 0 * NaN
+            q = tl.where(_finite(q), q, tl.zeros_like(q))  # (rows that see it reach dK by ds)
         dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=DOT_PRECISION)
     return dk, dv
 
@@ -459,6 +491,8 @@ def _dq_tiles(dq, q, do, lse, delta, offs_m, q_seg, q_pos, list_ptr, count, n_bl
         if HAS_BIAS:  # dbias is ds itself; [B, H, T, S] fp32, tiles never visited are zeroed outside
             ptrs = dbias_base + offs_m.to(tl.int64)[:, None] * S + offs_n[None, :]
             tl.store(ptrs, ds, mask=(offs_m < T)[:, None] & (offs_n < S)[None, :])
+        if MASKED:  # a NaN k row that a query cannot see must not reach dQ as 0 * NaN
+            k = tl.where(_finite(k), k, tl.zeros_like(k))  # (keys that are seen reach dQ by ds)
         dq += tl.dot(d_raw.to(k.dtype), k, input_precision=DOT_PRECISION)
     return dq
 
@@ -787,22 +821,46 @@ def _mask_spec(B, H, T, S, q_segment_ids, kv_segment_ids, q_positions, kv_positi
     return _MaskSpec(rule, layout, block, "and", None)
 
 
+@jax.custom_jvp
+def _finite_part(x: Array) -> Array:
+    """``x`` with its non-finite entries set to 0, and derivative 1 everywhere: the derivative of a
+    sum of products in ``x`` does not depend on the value of ``x``."""
+    return jnp.where(jnp.isfinite(x), x, 0)
+
+
+@_finite_part.defjvp
+def _finite_part_jvp(primals, tangents):
+    return _finite_part(primals[0]), tangents[0]
+
+
 def _reference_spec(query, key, value, softmax_aux, bias, spec: _MaskSpec, scale, logits_soft_cap):
+    """The definition, densely. Invisible keys do not exist for a row: a NaN (or inf) in q, k or
+    v reaches exactly the rows that see it, forward and backward. So no product ever meets a
+    zero weight: the sums over keys (and, by autodiff, over rows) take the finite part of q, k
+    and v, and a pair with a non-finite q, k or v row has a NaN logit (and a visible such v row
+    a NaN term) added on its own, where it is visible."""
     B, H, T, D = query.shape
     G = H // key.shape[1]
     dtype = jnp.promote_types(query.dtype, jnp.float32)
     q = query.astype(dtype)
     k = jnp.repeat(key.astype(dtype), G, axis=1)
     v = jnp.repeat(value.astype(dtype), G, axis=1)
+
+    def non_finite_rows(x):
+        return ~jnp.all(jnp.isfinite(x), axis=-1)
+
     exact = jax.lax.Precision.HIGHEST  # not TF32: on a GPU XLA rounds float32 matmul inputs by default
-    s = jnp.einsum("bhtd,bhsd->bhts", q, k, precision=exact) * scale
+    s = jnp.einsum("bhtd,bhsd->bhts", _finite_part(q), _finite_part(k), precision=exact) * scale
     if logits_soft_cap is not None:
         s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
     if bias is not None:
         s = s + bias.astype(dtype)
     visible = dense_mask(spec.rule, spec.layout, spec.layout_block, spec.combine, T, key.shape[2])
     visible = jnp.broadcast_to(visible, s.shape)
-    s = jnp.where(visible, s, -jnp.inf)
+    # The NaN of a non-finite q or k row joins the logit of visible pairs only, and after the soft
+    # cap, whose derivative at a NaN would be NaN even where the select passes back a zero.
+    bad_pair = non_finite_rows(q)[..., :, None] | non_finite_rows(k)[..., None, :]
+    s = jnp.where(visible, s + jnp.where(bad_pair, jnp.nan, 0.0), -jnp.inf)
     m = jnp.max(s, axis=-1)
     if softmax_aux is not None:
         sink = softmax_aux.astype(dtype)[None, :, None]
@@ -812,8 +870,12 @@ def _reference_spec(query, key, value, softmax_aux, bias, spec: _MaskSpec, scale
     denom = jnp.sum(e, axis=-1)
     if softmax_aux is not None:
         denom = denom + jnp.exp(sink - m)
-    o = jnp.einsum("bhts,bhsd->bhtd", e, v, precision=exact) / jnp.where(denom == 0, 1.0, denom)[..., None]
-    return o.astype(query.dtype)
+    # Normalised pair by pair, then selected: a NaN denominator (of a row that sees a NaN) must not
+    # reach, by autodiff, the values of the keys that row cannot see.
+    p = jnp.where(visible, e / jnp.where(denom == 0, 1.0, denom)[..., None], 0.0)
+    o = jnp.einsum("bhts,bhsd->bhtd", p, _finite_part(v), precision=exact)
+    v_nan = jnp.where(visible & non_finite_rows(v)[..., None, :], jnp.nan, 0.0)
+    return (o + jnp.sum(p * v_nan, axis=-1)[..., None]).astype(query.dtype)
 
 
 def _prepare(query, key, value, q_segment_ids, kv_segment_ids, q_positions, kv_positions, softmax_aux, bias,
@@ -947,7 +1009,11 @@ def blocksparse_attention(
             kernels support the call, else XLA).
 
     A pair is visible iff every rule given holds. A query row that sees no key gets zeros (and
-    passes no gradient). Returns ``[B, Hq, T, Dv]`` in the query's dtype.
+    passes no gradient). Keys a row cannot see do not exist for it: a NaN in ``q``, ``k`` or ``v``
+    makes NaN exactly the output rows that see it (the row's own ``q``: that row), and, for a
+    finite cotangent, reaches a gradient only through visible pairs, as autodiff of softmax
+    attention over the visible keys alone would (an inf may give inf or NaN there). Returns
+    ``[B, Hq, T, Dv]`` in the query's dtype.
     """
     if impl not in ("auto", "triton", "xla"):
         raise ValueError(f"impl must be 'auto', 'triton' or 'xla', got {impl!r}")

@@ -98,3 +98,87 @@ def test_corrupted_block_mask_never_crashes(mode, direction):
             assert outcome == "ValueError" and f"qkv_layouts.{field}" in " ".join(message), line
         else:
             assert outcome == "ran", line
+
+
+# ----------------------------------------------------------------------------------------------
+# NaN stays inside the rows (and documents) that can see it.
+# ----------------------------------------------------------------------------------------------
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from conftest import TOLERANCE, rel_err  # noqa: E402
+from test_attention import BWD, FWD, documents, make_inputs  # noqa: E402
+
+from ejk_lite import blocksparse_attention  # noqa: E402
+from ejk_lite.attention import reference  # noqa: E402
+
+
+def nan_rows(x):
+    return np.isnan(np.asarray(x, np.float64)).any(axis=-1)
+
+
+# where the NaN goes: (array, extra inputs, extra options)
+NAN_CASES = {
+    "value": ("value", dict(bias_shape=(2, 4, 64, 64)), dict()),
+    "key": ("key", dict(sinks=True, q_scale=6.0), dict(logits_soft_cap=3.0)),
+    "query": ("query", dict(), dict()),
+}
+
+
+@pytest.mark.parametrize("case", list(NAN_CASES))
+def test_nan_stays_in_the_rows_that_see_it(case, rng):
+    """Packed documents, causal: one NaN in one token of one document. Semantics: invisible keys
+    do not exist for a row. The output rows and every gradient's rows of the other documents
+    are finite and equal to the float64 reference without the NaN; in the NaN's document, the
+    rows that hold a NaN are those of the float64 reference with the NaN (which holds NaN exactly
+    in the rows that see the token, for the output), and the others equal it."""
+    where, shapes, extra = NAN_CASES[case]
+    B, T, H, H_kv = 2, 64, 4, 2
+    options = dict(documents(rng, B, T), **extra)
+    ids = options["q_segment_ids"]
+    doc = np.bincount(ids[0]).argmax()  # the longest document of row 0
+    tokens = np.flatnonzero(ids[0] == doc)
+    token = tokens[len(tokens) // 2]  # rows of its document before it cannot see it (causal)
+    head = 1
+    arrays = make_inputs(rng, B=B, T=T, H=H, H_kv=H_kv, **shapes)
+    arrays[where][0, head, token, 3] = np.nan
+    clean = dict(arrays, **{where: np.where(np.isnan(arrays[where]), 0.5, arrays[where])})
+
+    names = list(arrays)
+    xs = [jnp.asarray(arrays[n], jnp.float32) for n in names]
+    call = lambda fn, *xs, **kw: fn(**dict(zip(names, xs)), **options, **kw)  # noqa: E731
+    out, vjp = jax.vjp(lambda *xs: call(blocksparse_attention, *xs, impl="triton", fwd_blocks=FWD,
+                                        bwd_blocks=BWD), *xs)
+    cotangent = rng.normal(size=out.shape)
+    grads = vjp(jnp.asarray(cotangent, jnp.float32))
+    with jax.enable_x64(True):
+        results = []
+        for inputs in (arrays, clean):
+            x64 = [jnp.asarray(np.asarray(jnp.asarray(inputs[n], jnp.float32), np.float64)) for n in names]
+            o, f_vjp = jax.vjp(lambda *xs: call(reference, *xs), *x64)
+            results.append((np.asarray(o), [np.asarray(g) for g in f_vjp(jnp.asarray(cotangent))]))
+    (ref, ref_grads), (ref_clean, clean_grads) = results
+
+    # The reference itself: NaN in exactly the output rows that see the token.
+    expected = np.zeros((B, H, T), bool)
+    if where == "query":
+        expected[0, head, token] = True
+    else:  # the query heads of the key's group; the rows of its document from the token on
+        group = H // H_kv
+        expected[0, head * group:(head + 1) * group] = (ids[0] == doc) & (np.arange(T) >= token)
+    np.testing.assert_array_equal(nan_rows(ref), expected)
+
+    other_docs = ids != doc
+    other_docs[1] = True
+    for name, got, want, want_clean in [("output", out, ref, ref_clean)] + [
+            (f"d{n}", g, r, c) for n, g, r, c in zip(names, grads, ref_grads, clean_grads)]:
+        got, want = np.asarray(got, np.float64), np.asarray(want)
+        np.testing.assert_array_equal(nan_rows(got), nan_rows(want), err_msg=name)
+        finite = ~nan_rows(want)
+        assert rel_err(got[finite], want[finite]) <= TOLERANCE["float32"], name
+        if want.ndim == 4 and want.shape[2] == T:  # token rows: those of the other documents
+            rows = np.broadcast_to(other_docs[:, None, :], want.shape[:3])
+            assert not nan_rows(want)[rows].any(), name
+            np.testing.assert_allclose(want[rows], want_clean[rows], rtol=1e-9, atol=1e-12, err_msg=name)
+    assert nan_rows(out).any()
