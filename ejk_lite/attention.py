@@ -21,6 +21,12 @@ instruction). Starting from ``m = sink, l = 1`` counts the sink exactly once. Th
 
 The soft cap's derivative ``1 - tanh^2`` lies in ``[0, 1]``: no overflow, however large the logits.
 
+A NaN stays in the rows that can see it. Multiplying by ``p = 0`` is not enough to drop an
+invisible key (``0 * NaN`` is NaN), so partial tiles *select* instead: the forward zeroes
+non-finite ``v`` rows before its product and sets NaN in exactly the rows that see one; the
+backward selects ``p`` and ``ds`` on visibility and zeroes non-finite ``q`` (for dK) and ``k``
+(for dQ) before its products. Full tiles need none of it (every row sees every key there).
+
 Which tiles: a :class:`ejk_lite.masking.BlockMask` at the kernel's block sizes lists, per query
 block, the *partial* key blocks (the token rule is evaluated pair by pair) and the *full* ones (no
 per-token test); the dK/dV kernel walks the transposed lists. The backward builds the mask at its
@@ -44,7 +50,8 @@ import triton.language as tl
 from jax import Array
 
 from ejk_lite.launch import triton_call, vmap_sequentially
-from ejk_lite.masking import EMPTY, BlockMask, TokenRule, _build, _check_block, _check_layout, dense_mask, token_rule
+from ejk_lite.masking import (EMPTY, BlockMask, TokenRule, _build, _check_block, _check_layout,
+                              check_block_mask, combine_rules, dense_mask, restrict, token_rule)
 
 LOG2E = tl.constexpr(math.log2(math.e))  # a constexpr: usable inside the kernels too
 _BIG_WINDOW = 2**30
@@ -77,6 +84,14 @@ class BlockSizes:
     def __post_init__(self):
         if self.float32_dot not in ("tf32x3", "ieee"):
             raise ValueError(f"float32_dot must be 'tf32x3' or 'ieee', got {self.float32_dot!r}")
+        # Triton specialises on these; a NumPy int is an int, a bool or a float is a mistake.
+        for field in dataclasses.fields(self):
+            if field.name == "float32_dot":
+                continue
+            value = getattr(self, field.name)
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+                raise ValueError(f"BlockSizes.{field.name} must be an int, got {value!r}")
+            object.__setattr__(self, field.name, int(value))
 
     @staticmethod
     def forward(head_dim: int, dtype: Any = jnp.bfloat16) -> BlockSizes:
@@ -118,10 +133,15 @@ class _Static:
     window: tuple[int, int] | None
     has_segments: bool
     has_token_mask: bool
+    clause2: tuple[str, bool, tuple[int, int] | None, bool] | None  # (op, causal, window, segments)
 
 
 # ----------------------------------------------------------------------------------------------
 # Kernels. Every tensor is contiguous; a program's base pointers are computed once.
+#
+# The token rule's ids (segment ids and positions of queries and keys) come in one int32 array
+# [clauses * 4, Bi, max(T, S)]: per clause q segments, kv segments, q positions, kv positions,
+# ``stride_kind`` elements apart, a batch row ``stride_ids_b`` apart (0 when shared).
 # ----------------------------------------------------------------------------------------------
 
 
@@ -129,6 +149,20 @@ class _Static:
 def _tanh(x):
     # 1 - 2 / (exp(2x) + 1): exp overflow gives +-1 exactly, never NaN.
     return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _clamp(x, n):
+    """``x`` clamped to ``[0, n]``. Every count and block index a kernel loads from a mask goes
+    through it: a traced mask cannot be checked, and a wrong one must give wrong numbers, never
+    a read outside the inputs. Two integer instructions per load."""
+    return tl.minimum(tl.maximum(x, 0), n)
+
+
+@triton.jit
+def _finite(x):
+    """Where ``x`` is finite: ``x - x`` is exactly 0 for a finite ``x``, NaN for inf and NaN."""
+    return (x - x) == 0
 
 
 @triton.jit
@@ -167,59 +201,111 @@ def _load_tile(base, offs_r, offs_c, n_rows, N_COLS: tl.constexpr, EVEN: tl.cons
 
 
 @triton.jit
-def _visible(offs_m, offs_n, q_seg, q_pos, kv_seg_base, kv_pos_base, mask_base, window_left,
-             window_right, T, S, MASKED: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
-             IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr):
-    """Which pairs of a tile are visible: in range, and (in partial tiles) the token rule holds."""
-    in_kv = offs_n < S
-    visible = (offs_m >= 0)[:, None] & in_kv[None, :]
-    if MASKED:
-        if HAS_SEGMENTS:
-            kv_seg = tl.load(kv_seg_base + offs_n, mask=in_kv, other=0)
-            visible &= q_seg[:, None] == kv_seg[None, :]
-        if IS_CAUSAL or HAS_WINDOW:
-            kv_pos = tl.load(kv_pos_base + offs_n, mask=in_kv, other=0)
-            d = kv_pos[None, :] - q_pos[:, None]  # positions lie in (-2**30, 2**30): no overflow
-            if IS_CAUSAL:
-                visible &= d <= 0
-            if HAS_WINDOW:
-                visible &= (d >= -window_left) & (d <= window_right)
-        if HAS_TOKEN_MASK:
-            ptrs = mask_base + offs_m.to(tl.int64)[:, None] * S + offs_n[None, :]
-            in_range = (offs_m < T)[:, None] & in_kv[None, :]
-            visible &= tl.load(ptrs, mask=in_range, other=0) != 0
+def _q_ids(ids_base, stride_kind, offs_m, T, HAS_SEGMENTS: tl.constexpr,
+           USE_POSITIONS: tl.constexpr):
+    """A query block's segment ids and positions in one clause (``offs_m`` where not needed)."""
+    in_q = offs_m < T
+    q_seg = offs_m
+    q_pos = offs_m
+    if HAS_SEGMENTS:
+        q_seg = tl.load(ids_base + offs_m, mask=in_q, other=0)
+    if USE_POSITIONS:
+        q_pos = tl.load(ids_base + 2 * stride_kind + offs_m, mask=in_q, other=0)
+    return q_seg, q_pos
+
+
+@triton.jit
+def _clause(visible, q_seg, q_pos, ids_base, stride_kind, offs_n, in_kv, window_left,
+            window_right, HAS_SEGMENTS: tl.constexpr, IS_CAUSAL: tl.constexpr,
+            HAS_WINDOW: tl.constexpr):
+    """``visible`` and one clause of the token rule: equal segments, causal, a window (as given)."""
+    if HAS_SEGMENTS:
+        kv_seg = tl.load(ids_base + stride_kind + offs_n, mask=in_kv, other=0)
+        visible &= q_seg[:, None] == kv_seg[None, :]
+    if IS_CAUSAL or HAS_WINDOW:
+        kv_pos = tl.load(ids_base + 3 * stride_kind + offs_n, mask=in_kv, other=0)
+        d = kv_pos[None, :] - q_pos[:, None]  # positions lie in (-2**30, 2**30): no overflow
+        if IS_CAUSAL:
+            visible &= d <= 0
+        if HAS_WINDOW:
+            visible &= (d >= -window_left) & (d <= window_right)
     return visible
 
 
 @triton.jit
-def _fwd_tiles(acc, m_i, l_i, q, offs_m, q_seg, q_pos, list_ptr, count,
-               k_base, v_base, kv_seg_base, kv_pos_base, mask_base, bias_base, stride_bt, stride_bs,
-               SCALE: tl.constexpr, SOFT_CAP: tl.constexpr, window_left, window_right, T, S,
-               D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BK: tl.constexpr,
-               MASKED: tl.constexpr, HAS_SEGMENTS: tl.constexpr, IS_CAUSAL: tl.constexpr,
-               HAS_WINDOW: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
+def _visible(offs_m, offs_n, q_seg, q_pos, ids_base, stride_kind, mask_base, window_left,
+             window_right, window2_left, window2_right, T, S, MASKED: tl.constexpr,
+             HAS_SEGMENTS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+             HAS_TOKEN_MASK: tl.constexpr, CLAUSE2: tl.constexpr, HAS_SEGMENTS2: tl.constexpr,
+             IS_CAUSAL2: tl.constexpr, HAS_WINDOW2: tl.constexpr):
+    """Which pairs of a tile are visible: in range, and (in partial tiles) the token rule holds:
+    its first clause (``q_seg``, ``q_pos`` are the query block's ids in it, and the token mask
+    belongs to it), joined by and (``CLAUSE2 == 1``) or or (2) to a second one if there is one.
+    Rows past T see nothing: in the backward a NaN must not reach dK through a padding row."""
+    in_kv = offs_n < S
+    in_range = (offs_m < T)[:, None] & in_kv[None, :]
+    visible = in_range
+    if MASKED:
+        visible = _clause(in_range, q_seg, q_pos, ids_base, stride_kind, offs_n, in_kv,
+                          window_left, window_right, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW)
+        if HAS_TOKEN_MASK:
+            ptrs = mask_base + offs_m.to(tl.int64)[:, None] * S + offs_n[None, :]
+            visible &= tl.load(ptrs, mask=visible, other=0) != 0
+        if CLAUSE2 != 0:  # the second clause's ids: four arrays further
+            ids2_base = ids_base + 4 * stride_kind
+            q_seg2, q_pos2 = _q_ids(ids2_base, stride_kind, offs_m, T, HAS_SEGMENTS2,
+                                    IS_CAUSAL2 or HAS_WINDOW2)
+            second = _clause(in_range, q_seg2, q_pos2, ids2_base, stride_kind, offs_n, in_kv,
+                             window2_left, window2_right, HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2)
+            if CLAUSE2 == 1:
+                visible &= second
+            else:
+                visible |= second
+    return visible
+
+
+@triton.jit
+def _fwd_tiles(acc, m_i, l_i, q, offs_m, q_seg, q_pos, list_ptr, count, n_blocks, k_base, v_base,
+               ids_base, stride_kind, mask_base, bias_base, stride_bt, stride_bs,
+               window_left, window_right, window2_left, window2_right, T, S,
+               SCALE: tl.constexpr, SOFT_CAP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+               BD: tl.constexpr, BDV: tl.constexpr, BK: tl.constexpr, MASKED: tl.constexpr,
+               HAS_SEGMENTS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+               HAS_TOKEN_MASK: tl.constexpr, CLAUSE2: tl.constexpr, HAS_SEGMENTS2: tl.constexpr,
+               IS_CAUSAL2: tl.constexpr, HAS_WINDOW2: tl.constexpr, HAS_BIAS: tl.constexpr,
                USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_S: tl.constexpr):
     """The online-softmax inner loop over ``count`` key blocks read from ``list_ptr``."""
     offs_d = tl.arange(0, BD)
     offs_dv = tl.arange(0, BDV)
     for i in range(count):
-        kb = tl.load(list_ptr + i)
+        kb = _clamp(tl.load(list_ptr + i), n_blocks - 1)
         offs_n = kb * BK + tl.arange(0, BK)
         k = _load_tile(k_base, offs_n, offs_d, S, D, EVEN_S & (D == BD))
         v = _load_tile(v_base, offs_n, offs_dv, S, DV, EVEN_S & (DV == BDV))
         s, _ = _logits(q, k, offs_m, offs_n, bias_base, stride_bt, stride_bs, SCALE, SOFT_CAP, T, S,
                        USE_SOFTCAP, HAS_BIAS, DOT_PRECISION)
-        visible = _visible(offs_m, offs_n, q_seg, q_pos, kv_seg_base, kv_pos_base, mask_base,
-                           window_left, window_right, T, S, MASKED, HAS_SEGMENTS, IS_CAUSAL,
-                           HAS_WINDOW, HAS_TOKEN_MASK)
+        visible = _visible(offs_m, offs_n, q_seg, q_pos, ids_base, stride_kind, mask_base,
+                           window_left, window_right, window2_left, window2_right, T, S, MASKED,
+                           HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2,
+                           HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2)
         if MASKED or not EVEN_S:  # full tiles of an even length: every pair is visible
             s = tl.where(visible, s, float("-inf"))
+        if MASKED:
+            # A NaN (or inf) in the v row of a key that a row cannot see must not reach that row,
+            # as p = 0 times NaN would: zero such v rows for the dot, and poison exactly the rows
+            # that do see one. Full tiles need none of it: every row sees every key there.
+            finite = _finite(v)
+            v = tl.where(finite, v, tl.zeros_like(v))
+            bad_key = tl.max(tl.where(finite, 0, 1), 1) > 0
+            poisoned = tl.max(tl.where(visible & bad_key[None, :], 1, 0), 1) > 0
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
         alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        if MASKED:  # NaN stays NaN through every later rescaling and sum
+            acc = tl.where(poisoned[:, None], float("nan"), acc)
         m_i = m_new
     return acc, m_i, l_i
 
@@ -227,20 +313,22 @@ def _fwd_tiles(acc, m_i, l_i, q, offs_m, q_seg, q_pos, list_ptr, count,
 @triton.jit
 def _attention_fwd_kernel(
     # inputs
-    q_ptr, k_ptr, v_ptr, q_seg_ptr, kv_seg_ptr, q_pos_ptr, kv_pos_ptr, token_mask_ptr, bias_ptr, sink_ptr,
+    q_ptr, k_ptr, v_ptr, ids_ptr, token_mask_ptr, bias_ptr, sink_ptr,
     partial_count_ptr, partial_index_ptr, full_count_ptr, full_index_ptr,
     # scalars
-    window_left, window_right, T, S, n_q_blocks, n_kv_blocks,
-    stride_ids_b, stride_mask_b, stride_mask_h, stride_bb, stride_bh, stride_bt, stride_bs,
-    stride_bm_b, stride_bm_h,
+    window_left, window_right, window2_left, window2_right, T, S, n_q_blocks, n_kv_blocks,
+    stride_ids_b, stride_kind, stride_mask_b, stride_mask_h, stride_bb, stride_bh, stride_bt,
+    stride_bs, stride_bm_b, stride_bm_h,
     # outputs
     o_ptr, lse_ptr,
     # shapes and features
-    SCALE: tl.constexpr, SOFT_CAP: tl.constexpr, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr,
-    BDV: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,
-    HAS_SEGMENTS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_TOKEN_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    HAS_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_S: tl.constexpr,
+    SCALE: tl.constexpr, SOFT_CAP: tl.constexpr, H: tl.constexpr, G: tl.constexpr,
+    D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BQ: tl.constexpr,
+    BK: tl.constexpr, HAS_SEGMENTS: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr, CLAUSE2: tl.constexpr,
+    HAS_SEGMENTS2: tl.constexpr, IS_CAUSAL2: tl.constexpr, HAS_WINDOW2: tl.constexpr,
+    HAS_BIAS: tl.constexpr, USE_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, EVEN_S: tl.constexpr,
 ):
     # Query blocks in reverse order: under a causal mask the last blocks have the most work; they
     # start first, so the short ones fill the gaps at the end.
@@ -257,13 +345,10 @@ def _attention_fwd_kernel(
     q_base = q_ptr + i_bh64 * T * D
     k_base = k_ptr + i_kvh64 * S * D
     v_base = v_ptr + i_kvh64 * S * DV
-    q = tl.load(q_base + offs_m[:, None] * D + offs_d[None, :], mask=in_q[:, None] & (offs_d < D)[None, :],
-                other=0.0)
-    q_seg = tl.load(q_seg_ptr + i_b * stride_ids_b + offs_m, mask=in_q, other=0) if HAS_SEGMENTS else offs_m
-    q_pos = tl.load(q_pos_ptr + i_b * stride_ids_b + offs_m, mask=in_q, other=0) \
-        if IS_CAUSAL or HAS_WINDOW else offs_m
-    kv_seg_base = kv_seg_ptr + i_b * stride_ids_b
-    kv_pos_base = kv_pos_ptr + i_b * stride_ids_b
+    q = tl.load(q_base + offs_m[:, None] * D + offs_d[None, :],
+                mask=in_q[:, None] & (offs_d < D)[None, :], other=0.0)
+    ids_base = ids_ptr + i_b * stride_ids_b
+    q_seg, q_pos = _q_ids(ids_base, stride_kind, offs_m, T, HAS_SEGMENTS, IS_CAUSAL or HAS_WINDOW)
     mask_base = token_mask_ptr + i_b.to(tl.int64) * stride_mask_b + i_h.to(tl.int64) * stride_mask_h
     bias_base = bias_ptr + i_b.to(tl.int64) * stride_bb + i_h.to(tl.int64) * stride_bh
 
@@ -276,56 +361,72 @@ def _attention_fwd_kernel(
     acc = tl.zeros([BQ, BDV], tl.float32)
 
     row = (i_b * stride_bm_b + i_h * stride_bm_h) * n_q_blocks + i_m
-    n_partial = tl.load(partial_count_ptr + row)
-    n_full = tl.load(full_count_ptr + row)
+    n_partial = _clamp(tl.load(partial_count_ptr + row), n_kv_blocks)
+    n_full = _clamp(tl.load(full_count_ptr + row), n_kv_blocks)
     acc, m_i, l_i = _fwd_tiles(
-        acc, m_i, l_i, q, offs_m, q_seg, q_pos, partial_index_ptr + row.to(tl.int64) * n_kv_blocks, n_partial,
-        k_base, v_base, kv_seg_base, kv_pos_base, mask_base, bias_base, stride_bt, stride_bs,
-        SCALE, SOFT_CAP, window_left, window_right, T, S, D, DV, BD, BDV, BK,
-        True, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, HAS_BIAS, USE_SOFTCAP, DOT_PRECISION, EVEN_S)
+        acc, m_i, l_i, q, offs_m, q_seg, q_pos, partial_index_ptr + row.to(tl.int64) * n_kv_blocks,
+        n_partial, n_kv_blocks, k_base, v_base, ids_base, stride_kind, mask_base, bias_base,
+        stride_bt, stride_bs, window_left, window_right, window2_left, window2_right, T, S, SCALE,
+        SOFT_CAP, D, DV, BD, BDV, BK, True, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK,
+        CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP, DOT_PRECISION,
+        EVEN_S)
     acc, m_i, l_i = _fwd_tiles(
-        acc, m_i, l_i, q, offs_m, q_seg, q_pos, full_index_ptr + row.to(tl.int64) * n_kv_blocks, n_full,
-        k_base, v_base, kv_seg_base, kv_pos_base, mask_base, bias_base, stride_bt, stride_bs,
-        SCALE, SOFT_CAP, window_left, window_right, T, S, D, DV, BD, BDV, BK,
-        False, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, HAS_BIAS, USE_SOFTCAP, DOT_PRECISION, EVEN_S)
+        acc, m_i, l_i, q, offs_m, q_seg, q_pos, full_index_ptr + row.to(tl.int64) * n_kv_blocks,
+        n_full, n_kv_blocks, k_base, v_base, ids_base, stride_kind, mask_base, bias_base,
+        stride_bt, stride_bs, window_left, window_right, window2_left, window2_right, T, S, SCALE,
+        SOFT_CAP, D, DV, BD, BDV, BK, False, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK,
+        CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP, DOT_PRECISION,
+        EVEN_S)
 
     # A row that saw no key (and has no sink) has l = 0: its output is 0 and its lse +inf, so that
-    # the backward's p = exp2(s - lse) is 0 for it.
-    seen = l_i > 0.0
-    o = acc / tl.where(seen, l_i, 1.0)[:, None]
-    lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("inf"))
-    tl.store(o_ptr + i_bh64 * T * DV + offs_m[:, None] * DV + offs_dv[None, :], o.to(o_ptr.dtype.element_ty),
-             mask=in_q[:, None] & (offs_dv < DV)[None, :])
+    # the backward's p = exp2(s - lse) is 0 for it. A row that saw a NaN logit has l = NaN: its
+    # lse stays NaN, so that the backward's p is NaN for it wherever it sees, as autodiff's.
+    empty = l_i == 0.0
+    o = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+    tl.store(o_ptr + i_bh64 * T * DV + offs_m[:, None] * DV + offs_dv[None, :],
+             o.to(o_ptr.dtype.element_ty), mask=in_q[:, None] & (offs_dv < DV)[None, :])
     tl.store(lse_ptr + i_bh64 * T + offs_m, lse, mask=in_q)
 
 
 @triton.jit
-def _bwd_tile(q, k, v, do, lse, delta, offs_m, offs_n, q_seg, q_pos, kv_seg_base, kv_pos_base, mask_base,
-              bias_base, stride_bt, stride_bs, SCALE: tl.constexpr, SOFT_CAP: tl.constexpr, window_left, window_right, T, S,
+def _bwd_tile(q, k, v, do, lse, delta, offs_m, offs_n, q_seg, q_pos, ids_base, stride_kind,
+              mask_base, bias_base, stride_bt, stride_bs, window_left, window_right, window2_left,
+              window2_right, T, S, SCALE: tl.constexpr, SOFT_CAP: tl.constexpr,
               MASKED: tl.constexpr, HAS_SEGMENTS: tl.constexpr, IS_CAUSAL: tl.constexpr,
-              HAS_WINDOW: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
-              USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_S: tl.constexpr):
+              HAS_WINDOW: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr, CLAUSE2: tl.constexpr,
+              HAS_SEGMENTS2: tl.constexpr, IS_CAUSAL2: tl.constexpr, HAS_WINDOW2: tl.constexpr,
+              HAS_BIAS: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+              EVEN_S: tl.constexpr):
     """One tile of the backward: ``p``, ``ds`` = dL/d(final logit) and the same before the soft cap."""
     s, t = _logits(q, k, offs_m, offs_n, bias_base, stride_bt, stride_bs, SCALE, SOFT_CAP, T, S,
                    USE_SOFTCAP, HAS_BIAS, DOT_PRECISION)
-    visible = _visible(offs_m, offs_n, q_seg, q_pos, kv_seg_base, kv_pos_base, mask_base,
-                       window_left, window_right, T, S, MASKED, HAS_SEGMENTS, IS_CAUSAL,
-                       HAS_WINDOW, HAS_TOKEN_MASK)
+    visible = _visible(offs_m, offs_n, q_seg, q_pos, ids_base, stride_kind, mask_base,
+                       window_left, window_right, window2_left, window2_right, T, S, MASKED,
+                       HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2, HAS_SEGMENTS2,
+                       IS_CAUSAL2, HAS_WINDOW2)
     p = tl.exp2(s - lse[:, None])
-    if MASKED or not EVEN_S:  # full tiles of an even length: every pair is visible
-        p = tl.where(visible, p, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
     ds = p * (dp - delta[:, None])  # dL/d(logit after the soft cap): also dL/dbias
     if USE_SOFTCAP:
         d_raw = ds * (1.0 - t * t)  # through cap * tanh(s / cap): a factor in [0, 1]
     else:
         d_raw = ds
+    if MASKED or not EVEN_S:  # full tiles of an even length: every pair is visible
+        # Selected, never multiplied by a zero p: a NaN of an invisible key (in dp, t) or of a
+        # row's lse or delta must not reach the keys and rows that cannot see it.
+        p = tl.where(visible, p, 0.0)
+        ds = tl.where(visible, ds, 0.0)
+        if USE_SOFTCAP:
+            d_raw = tl.where(visible, d_raw, 0.0)
+        else:
+            d_raw = ds
     return p, ds, d_raw
 
 
 @triton.jit
-def _bwd_q_side(q_ptr, do_ptr, lse_ptr, delta_ptr, q_seg_ptr, q_pos_ptr, i_bh64, i_b, stride_ids_b, offs_m,
-                T, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+def _bwd_q_side(q_ptr, do_ptr, lse_ptr, delta_ptr, ids_base, stride_kind, i_bh64, offs_m, T,
+                D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
                 HAS_SEGMENTS: tl.constexpr, USE_POSITIONS: tl.constexpr):
     """Load a query block's q, do, lse, delta and token ids (rows past T: zeros and lse = +inf)."""
     offs_d = tl.arange(0, BD)
@@ -337,31 +438,36 @@ def _bwd_q_side(q_ptr, do_ptr, lse_ptr, delta_ptr, q_seg_ptr, q_pos_ptr, i_bh64,
                  mask=in_q[:, None] & (offs_dv < DV)[None, :], other=0.0)
     lse = tl.load(lse_ptr + i_bh64 * T + offs_m, mask=in_q, other=float("inf"))
     delta = tl.load(delta_ptr + i_bh64 * T + offs_m, mask=in_q, other=0.0)
-    q_seg = tl.load(q_seg_ptr + i_b * stride_ids_b + offs_m, mask=in_q, other=0) if HAS_SEGMENTS else offs_m
-    q_pos = tl.load(q_pos_ptr + i_b * stride_ids_b + offs_m, mask=in_q, other=0) if USE_POSITIONS else offs_m
+    q_seg, q_pos = _q_ids(ids_base, stride_kind, offs_m, T, HAS_SEGMENTS, USE_POSITIONS)
     return q, do, lse, delta, q_seg, q_pos
 
 
 @triton.jit
-def _dkv_tiles(dk, dv, k, v, offs_n, list_ptr, count, i_bh64, i_b, mask_base, bias_base,
-               q_ptr, do_ptr, lse_ptr, delta_ptr, q_seg_ptr, q_pos_ptr, kv_seg_base, kv_pos_base,
-               stride_ids_b, stride_bt, stride_bs, SCALE: tl.constexpr, SOFT_CAP: tl.constexpr, window_left, window_right, T, S,
-               D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BQ: tl.constexpr,
-               MASKED: tl.constexpr, HAS_SEGMENTS: tl.constexpr, IS_CAUSAL: tl.constexpr,
-               HAS_WINDOW: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
+def _dkv_tiles(dk, dv, k, v, offs_n, list_ptr, count, n_blocks, i_bh64, q_ptr, do_ptr, lse_ptr,
+               delta_ptr, ids_base, stride_kind, mask_base, bias_base, stride_bt, stride_bs,
+               window_left, window_right, window2_left, window2_right, T, S,
+               SCALE: tl.constexpr, SOFT_CAP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+               BD: tl.constexpr, BDV: tl.constexpr, BQ: tl.constexpr, MASKED: tl.constexpr,
+               HAS_SEGMENTS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+               HAS_TOKEN_MASK: tl.constexpr, CLAUSE2: tl.constexpr, HAS_SEGMENTS2: tl.constexpr,
+               IS_CAUSAL2: tl.constexpr, HAS_WINDOW2: tl.constexpr, HAS_BIAS: tl.constexpr,
                USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_S: tl.constexpr):
     """Accumulate dK, dV of one key block over ``count`` query blocks read from ``list_ptr``."""
     for i in range(count):
-        qb = tl.load(list_ptr + i)
+        qb = _clamp(tl.load(list_ptr + i), n_blocks - 1)
         offs_m = qb * BQ + tl.arange(0, BQ)
         q, do, lse, delta, q_seg, q_pos = _bwd_q_side(
-            q_ptr, do_ptr, lse_ptr, delta_ptr, q_seg_ptr, q_pos_ptr, i_bh64, i_b, stride_ids_b, offs_m, T,
-            D, DV, BD, BDV, HAS_SEGMENTS, IS_CAUSAL or HAS_WINDOW)
-        p, _, ds = _bwd_tile(q, k, v, do, lse, delta, offs_m, offs_n, q_seg, q_pos, kv_seg_base,
-                             kv_pos_base, mask_base, bias_base, stride_bt, stride_bs, SCALE, SOFT_CAP,
-                             window_left, window_right, T, S, MASKED, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW,
-                             HAS_TOKEN_MASK, HAS_BIAS, USE_SOFTCAP, DOT_PRECISION, EVEN_S)
+            q_ptr, do_ptr, lse_ptr, delta_ptr, ids_base, stride_kind, i_bh64, offs_m, T, D, DV, BD,
+            BDV, HAS_SEGMENTS, IS_CAUSAL or HAS_WINDOW)
+        p, _, ds = _bwd_tile(q, k, v, do, lse, delta, offs_m, offs_n, q_seg, q_pos, ids_base,
+                             stride_kind, mask_base, bias_base, stride_bt, stride_bs, window_left,
+                             window_right, window2_left, window2_right, T, S, SCALE, SOFT_CAP,
+                             MASKED, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2,
+                             HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP,
+                             DOT_PRECISION, EVEN_S)
         dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PRECISION)
+        if MASKED:  # a NaN q row that cannot see this key block must not reach dK as 0 * NaN
+            q = tl.where(_finite(q), q, tl.zeros_like(q))  # (rows that see it reach dK by ds)
         dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=DOT_PRECISION)
     return dk, dv
 
@@ -369,20 +475,22 @@ def _dkv_tiles(dk, dv, k, v, offs_n, list_ptr, count, i_bh64, i_b, mask_base, bi
 @triton.jit
 def _attention_dkv_kernel(
     # inputs
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, q_seg_ptr, kv_seg_ptr, q_pos_ptr, kv_pos_ptr,
-    token_mask_ptr, bias_ptr, t_partial_count_ptr, t_partial_index_ptr, t_full_count_ptr, t_full_index_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, ids_ptr, token_mask_ptr, bias_ptr,
+    t_partial_count_ptr, t_partial_index_ptr, t_full_count_ptr, t_full_index_ptr,
     # scalars
-    window_left, window_right, T, S, n_q_blocks, n_kv_blocks,
-    stride_ids_b, stride_mask_b, stride_mask_h, stride_bb, stride_bh, stride_bt, stride_bs,
-    stride_bm_b, stride_bm_h,
+    window_left, window_right, window2_left, window2_right, T, S, n_q_blocks, n_kv_blocks,
+    stride_ids_b, stride_kind, stride_mask_b, stride_mask_h, stride_bb, stride_bh, stride_bt,
+    stride_bs, stride_bm_b, stride_bm_h,
     # outputs
     dk_ptr, dv_ptr,
     # shapes and features
-    SCALE: tl.constexpr, SOFT_CAP: tl.constexpr, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr,
-    BDV: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,
-    HAS_SEGMENTS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_TOKEN_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, EVEN_S: tl.constexpr,
+    SCALE: tl.constexpr, SOFT_CAP: tl.constexpr, H: tl.constexpr, G: tl.constexpr,
+    D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BQ: tl.constexpr,
+    BK: tl.constexpr, HAS_SEGMENTS: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr, CLAUSE2: tl.constexpr,
+    HAS_SEGMENTS2: tl.constexpr, IS_CAUSAL2: tl.constexpr, HAS_WINDOW2: tl.constexpr,
+    HAS_BIAS: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EVEN_S: tl.constexpr,
 ):
     i_n = tl.program_id(0)
     i_bkv = tl.program_id(1)  # (batch, key/value head)
@@ -397,8 +505,7 @@ def _attention_dkv_kernel(
                 mask=in_kv[:, None] & (offs_d < D)[None, :], other=0.0)
     v = tl.load(v_ptr + i_bkv64 * S * DV + offs_n[:, None] * DV + offs_dv[None, :],
                 mask=in_kv[:, None] & (offs_dv < DV)[None, :], other=0.0)
-    kv_seg_base = kv_seg_ptr + i_b * stride_ids_b
-    kv_pos_base = kv_pos_ptr + i_b * stride_ids_b
+    ids_base = ids_ptr + i_b * stride_ids_b
     dk = tl.zeros([BK, BD], tl.float32)
     dv = tl.zeros([BK, BDV], tl.float32)
     for g in range(G):  # the query heads this key/value head serves
@@ -407,50 +514,58 @@ def _attention_dkv_kernel(
         mask_base = token_mask_ptr + i_b.to(tl.int64) * stride_mask_b + i_h.to(tl.int64) * stride_mask_h
         bias_base = bias_ptr + i_b.to(tl.int64) * stride_bb + i_h.to(tl.int64) * stride_bh
         col = (i_b * stride_bm_b + i_h * stride_bm_h) * n_kv_blocks + i_n
-        n_partial = tl.load(t_partial_count_ptr + col)
-        n_full = tl.load(t_full_count_ptr + col)
+        n_partial = _clamp(tl.load(t_partial_count_ptr + col), n_q_blocks)
+        n_full = _clamp(tl.load(t_full_count_ptr + col), n_q_blocks)
         dk, dv = _dkv_tiles(
-            dk, dv, k, v, offs_n, t_partial_index_ptr + col.to(tl.int64) * n_q_blocks, n_partial, i_bh64, i_b,
-            mask_base, bias_base, q_ptr, do_ptr, lse_ptr, delta_ptr, q_seg_ptr, q_pos_ptr, kv_seg_base,
-            kv_pos_base, stride_ids_b, stride_bt, stride_bs, SCALE, SOFT_CAP, window_left, window_right, T, S,
-            D, DV, BD, BDV, BQ, True, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, HAS_BIAS,
-            USE_SOFTCAP, DOT_PRECISION, EVEN_S)
+            dk, dv, k, v, offs_n, t_partial_index_ptr + col.to(tl.int64) * n_q_blocks, n_partial,
+            n_q_blocks, i_bh64, q_ptr, do_ptr, lse_ptr, delta_ptr, ids_base, stride_kind, mask_base,
+            bias_base, stride_bt, stride_bs, window_left, window_right, window2_left, window2_right,
+            T, S, SCALE, SOFT_CAP, D, DV, BD, BDV, BQ, True, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW,
+            HAS_TOKEN_MASK, CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP,
+            DOT_PRECISION, EVEN_S)
         dk, dv = _dkv_tiles(
-            dk, dv, k, v, offs_n, t_full_index_ptr + col.to(tl.int64) * n_q_blocks, n_full, i_bh64, i_b,
-            mask_base, bias_base, q_ptr, do_ptr, lse_ptr, delta_ptr, q_seg_ptr, q_pos_ptr, kv_seg_base,
-            kv_pos_base, stride_ids_b, stride_bt, stride_bs, SCALE, SOFT_CAP, window_left, window_right, T, S,
-            D, DV, BD, BDV, BQ, False, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, HAS_BIAS,
-            USE_SOFTCAP, DOT_PRECISION, EVEN_S)
+            dk, dv, k, v, offs_n, t_full_index_ptr + col.to(tl.int64) * n_q_blocks, n_full,
+            n_q_blocks, i_bh64, q_ptr, do_ptr, lse_ptr, delta_ptr, ids_base, stride_kind, mask_base,
+            bias_base, stride_bt, stride_bs, window_left, window_right, window2_left, window2_right,
+            T, S, SCALE, SOFT_CAP, D, DV, BD, BDV, BQ, False, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW,
+            HAS_TOKEN_MASK, CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP,
+            DOT_PRECISION, EVEN_S)
     kv_rows = in_kv[:, None]
-    tl.store(dk_ptr + i_bkv64 * S * D + offs_n[:, None] * D + offs_d[None, :], (dk * SCALE).to(dk_ptr.dtype.element_ty),
-             mask=kv_rows & (offs_d < D)[None, :])
-    tl.store(dv_ptr + i_bkv64 * S * DV + offs_n[:, None] * DV + offs_dv[None, :], dv.to(dv_ptr.dtype.element_ty),
-             mask=kv_rows & (offs_dv < DV)[None, :])
+    tl.store(dk_ptr + i_bkv64 * S * D + offs_n[:, None] * D + offs_d[None, :],
+             (dk * SCALE).to(dk_ptr.dtype.element_ty), mask=kv_rows & (offs_d < D)[None, :])
+    tl.store(dv_ptr + i_bkv64 * S * DV + offs_n[:, None] * DV + offs_dv[None, :],
+             dv.to(dv_ptr.dtype.element_ty), mask=kv_rows & (offs_dv < DV)[None, :])
 
 
 @triton.jit
-def _dq_tiles(dq, q, do, lse, delta, offs_m, q_seg, q_pos, list_ptr, count, k_base, v_base, kv_seg_base,
-              kv_pos_base, mask_base, bias_base, dbias_base, stride_bt, stride_bs, SCALE: tl.constexpr, SOFT_CAP: tl.constexpr,
-              window_left, window_right, T, S,
-              D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BK: tl.constexpr,
-              MASKED: tl.constexpr, HAS_SEGMENTS: tl.constexpr, IS_CAUSAL: tl.constexpr,
-              HAS_WINDOW: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
+def _dq_tiles(dq, q, do, lse, delta, offs_m, q_seg, q_pos, list_ptr, count, n_blocks, k_base,
+              v_base, ids_base, stride_kind, mask_base, bias_base, dbias_base, stride_bt, stride_bs,
+              window_left, window_right, window2_left, window2_right, T, S,
+              SCALE: tl.constexpr, SOFT_CAP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+              BD: tl.constexpr, BDV: tl.constexpr, BK: tl.constexpr, MASKED: tl.constexpr,
+              HAS_SEGMENTS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+              HAS_TOKEN_MASK: tl.constexpr, CLAUSE2: tl.constexpr, HAS_SEGMENTS2: tl.constexpr,
+              IS_CAUSAL2: tl.constexpr, HAS_WINDOW2: tl.constexpr, HAS_BIAS: tl.constexpr,
               USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_S: tl.constexpr):
     """Accumulate dQ of one query block over ``count`` key blocks (and write dbias tiles)."""
     offs_d = tl.arange(0, BD)
     offs_dv = tl.arange(0, BDV)
     for i in range(count):
-        kb = tl.load(list_ptr + i)
+        kb = _clamp(tl.load(list_ptr + i), n_blocks - 1)
         offs_n = kb * BK + tl.arange(0, BK)
         k = _load_tile(k_base, offs_n, offs_d, S, D, EVEN_S & (D == BD))
         v = _load_tile(v_base, offs_n, offs_dv, S, DV, EVEN_S & (DV == BDV))
-        _, ds, d_raw = _bwd_tile(q, k, v, do, lse, delta, offs_m, offs_n, q_seg, q_pos, kv_seg_base,
-                                 kv_pos_base, mask_base, bias_base, stride_bt, stride_bs, SCALE, SOFT_CAP,
-                                 window_left, window_right, T, S, MASKED, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW,
-                                 HAS_TOKEN_MASK, HAS_BIAS, USE_SOFTCAP, DOT_PRECISION, EVEN_S)
+        _, ds, d_raw = _bwd_tile(q, k, v, do, lse, delta, offs_m, offs_n, q_seg, q_pos, ids_base,
+                                 stride_kind, mask_base, bias_base, stride_bt, stride_bs,
+                                 window_left, window_right, window2_left, window2_right, T, S,
+                                 SCALE, SOFT_CAP, MASKED, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW,
+                                 HAS_TOKEN_MASK, CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2,
+                                 HAS_BIAS, USE_SOFTCAP, DOT_PRECISION, EVEN_S)
         if HAS_BIAS:  # dbias is ds itself; [B, H, T, S] fp32, tiles never visited are zeroed outside
             ptrs = dbias_base + offs_m.to(tl.int64)[:, None] * S + offs_n[None, :]
             tl.store(ptrs, ds, mask=(offs_m < T)[:, None] & (offs_n < S)[None, :])
+        if MASKED:  # a NaN k row that a query cannot see must not reach dQ as 0 * NaN
+            k = tl.where(_finite(k), k, tl.zeros_like(k))  # (keys that are seen reach dQ by ds)
         dq += tl.dot(d_raw.to(k.dtype), k, input_precision=DOT_PRECISION)
     return dq
 
@@ -458,20 +573,22 @@ def _dq_tiles(dq, q, do, lse, delta, offs_m, q_seg, q_pos, list_ptr, count, k_ba
 @triton.jit
 def _attention_dq_kernel(
     # inputs
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, q_seg_ptr, kv_seg_ptr, q_pos_ptr, kv_pos_ptr,
-    token_mask_ptr, bias_ptr, partial_count_ptr, partial_index_ptr, full_count_ptr, full_index_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, ids_ptr, token_mask_ptr, bias_ptr,
+    partial_count_ptr, partial_index_ptr, full_count_ptr, full_index_ptr,
     # scalars
-    window_left, window_right, T, S, n_q_blocks, n_kv_blocks,
-    stride_ids_b, stride_mask_b, stride_mask_h, stride_bb, stride_bh, stride_bt, stride_bs,
-    stride_bm_b, stride_bm_h,
+    window_left, window_right, window2_left, window2_right, T, S, n_q_blocks, n_kv_blocks,
+    stride_ids_b, stride_kind, stride_mask_b, stride_mask_h, stride_bb, stride_bh, stride_bt,
+    stride_bs, stride_bm_b, stride_bm_h,
     # outputs
     dq_ptr, dbias_ptr,
     # shapes and features
-    SCALE: tl.constexpr, SOFT_CAP: tl.constexpr, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr,
-    BDV: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,
-    HAS_SEGMENTS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_TOKEN_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, EVEN_S: tl.constexpr,
+    SCALE: tl.constexpr, SOFT_CAP: tl.constexpr, H: tl.constexpr, G: tl.constexpr,
+    D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BQ: tl.constexpr,
+    BK: tl.constexpr, HAS_SEGMENTS: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr, CLAUSE2: tl.constexpr,
+    HAS_SEGMENTS2: tl.constexpr, IS_CAUSAL2: tl.constexpr, HAS_WINDOW2: tl.constexpr,
+    HAS_BIAS: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EVEN_S: tl.constexpr,
 ):
     i_m = n_q_blocks - 1 - tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -480,31 +597,35 @@ def _attention_dq_kernel(
     i_kvh64 = (i_b * (H // G) + i_h // G).to(tl.int64)
     offs_m = i_m * BQ + tl.arange(0, BQ)
     offs_d = tl.arange(0, BD)
+    ids_base = ids_ptr + i_b * stride_ids_b
     q, do, lse, delta, q_seg, q_pos = _bwd_q_side(
-        q_ptr, do_ptr, lse_ptr, delta_ptr, q_seg_ptr, q_pos_ptr, i_bh64, i_b, stride_ids_b, offs_m, T,
-        D, DV, BD, BDV, HAS_SEGMENTS, IS_CAUSAL or HAS_WINDOW)
+        q_ptr, do_ptr, lse_ptr, delta_ptr, ids_base, stride_kind, i_bh64, offs_m, T, D, DV, BD,
+        BDV, HAS_SEGMENTS, IS_CAUSAL or HAS_WINDOW)
     k_base = k_ptr + i_kvh64 * S * D
     v_base = v_ptr + i_kvh64 * S * DV
-    kv_seg_base = kv_seg_ptr + i_b * stride_ids_b
-    kv_pos_base = kv_pos_ptr + i_b * stride_ids_b
     mask_base = token_mask_ptr + i_b.to(tl.int64) * stride_mask_b + i_h.to(tl.int64) * stride_mask_h
     bias_base = bias_ptr + i_b.to(tl.int64) * stride_bb + i_h.to(tl.int64) * stride_bh
     dbias_base = dbias_ptr + i_bh64 * T * S
     dq = tl.zeros([BQ, BD], tl.float32)
     row = (i_b * stride_bm_b + i_h * stride_bm_h) * n_q_blocks + i_m
-    n_partial = tl.load(partial_count_ptr + row)
-    n_full = tl.load(full_count_ptr + row)
-    dq = _dq_tiles(dq, q, do, lse, delta, offs_m, q_seg, q_pos, partial_index_ptr + row.to(tl.int64) * n_kv_blocks,
-                   n_partial, k_base, v_base, kv_seg_base, kv_pos_base, mask_base, bias_base, dbias_base,
-                   stride_bt, stride_bs, SCALE, SOFT_CAP, window_left, window_right, T, S, D, DV, BD, BDV, BK,
-                   True, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, HAS_BIAS, USE_SOFTCAP,
-                   DOT_PRECISION, EVEN_S)
-    dq = _dq_tiles(dq, q, do, lse, delta, offs_m, q_seg, q_pos, full_index_ptr + row.to(tl.int64) * n_kv_blocks,
-                   n_full, k_base, v_base, kv_seg_base, kv_pos_base, mask_base, bias_base, dbias_base,
-                   stride_bt, stride_bs, SCALE, SOFT_CAP, window_left, window_right, T, S, D, DV, BD, BDV, BK,
-                   False, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, HAS_BIAS, USE_SOFTCAP,
-                   DOT_PRECISION, EVEN_S)
-    tl.store(dq_ptr + i_bh64 * T * D + offs_m[:, None] * D + offs_d[None, :], (dq * SCALE).to(dq_ptr.dtype.element_ty),
+    n_partial = _clamp(tl.load(partial_count_ptr + row), n_kv_blocks)
+    n_full = _clamp(tl.load(full_count_ptr + row), n_kv_blocks)
+    dq = _dq_tiles(dq, q, do, lse, delta, offs_m, q_seg, q_pos,
+                   partial_index_ptr + row.to(tl.int64) * n_kv_blocks, n_partial, n_kv_blocks,
+                   k_base, v_base, ids_base, stride_kind, mask_base, bias_base, dbias_base,
+                   stride_bt, stride_bs, window_left, window_right, window2_left, window2_right, T,
+                   S, SCALE, SOFT_CAP, D, DV, BD, BDV, BK, True, HAS_SEGMENTS, IS_CAUSAL,
+                   HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2,
+                   HAS_BIAS, USE_SOFTCAP, DOT_PRECISION, EVEN_S)
+    dq = _dq_tiles(dq, q, do, lse, delta, offs_m, q_seg, q_pos,
+                   full_index_ptr + row.to(tl.int64) * n_kv_blocks, n_full, n_kv_blocks,
+                   k_base, v_base, ids_base, stride_kind, mask_base, bias_base, dbias_base,
+                   stride_bt, stride_bs, window_left, window_right, window2_left, window2_right, T,
+                   S, SCALE, SOFT_CAP, D, DV, BD, BDV, BK, False, HAS_SEGMENTS, IS_CAUSAL,
+                   HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2,
+                   HAS_BIAS, USE_SOFTCAP, DOT_PRECISION, EVEN_S)
+    tl.store(dq_ptr + i_bh64 * T * D + offs_m[:, None] * D + offs_d[None, :],
+             (dq * SCALE).to(dq_ptr.dtype.element_ty),
              mask=(offs_m < T)[:, None] & (offs_d < D)[None, :])
 
 
@@ -517,30 +638,30 @@ def _pow2(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
 
-def _rule_operands(rule: TokenRule | None, B: int, T: int, S: int) -> tuple[list[Array], int, list[int]]:
-    """The token rule as kernel operands: ids ``[Bi, T]`` / ``[Bi, S]`` (stand-ins where absent),
-    the token mask as int8, and their batch strides (0 where one row serves every batch row)."""
-    none = jnp.zeros((1,), jnp.int32)
+def _rule_operands(rule: TokenRule | None, B: int, T: int, S: int) -> tuple[list[Array], list[int]]:
+    """The token rule as kernel operands: its ids as one int32 array ``[clauses * 4, Bi, n]``
+    (``n = max(T, S)``; per clause q segments, kv segments, q positions, kv positions, stand-ins
+    where absent), the token mask as int8, and the strides: a batch row of ids (0 where one row
+    serves every batch row), one id array, a batch row and a head of the token mask."""
     if rule is None:
-        return [none, none, none, none, jnp.zeros((1,), jnp.int8)], 0, [0, 0]
-    ids = (rule.q_segment_ids, rule.kv_segment_ids, rule.q_positions, rule.kv_positions)
-    ids_batch = B if any(x is not None and x.shape[0] != 1 for x in ids) else 1
-    qp, kp = rule.positions(T, S)
-    qs, ks = rule.segments(T, S)
+        return [jnp.zeros((1,), jnp.int32), jnp.zeros((1,), jnp.int8)], [0, 0, 0, 0]
+    clauses = [rule.own] if rule.other is None else [rule.own, rule.other]
+    ids = [x for c in clauses for x in (*c.segments(T, S), *c.positions(T, S))]
+    ids_batch = max(x.shape[0] for x in ids)
     n_ids = max(T, S)
 
-    def pad(x, length):  # every id array gets the same row stride: max(T, S)
-        x = jnp.broadcast_to(x.astype(jnp.int32), (ids_batch, length))
-        return jnp.pad(x, ((0, 0), (0, n_ids - length)))
+    def pad(x):  # every id array gets the same row stride: max(T, S)
+        x = jnp.broadcast_to(x.astype(jnp.int32), (ids_batch, x.shape[1]))
+        return jnp.pad(x, ((0, 0), (0, n_ids - x.shape[1])))
 
-    ids = [pad(qs, T), pad(ks, S), pad(qp, T), pad(kp, S)]
+    ids = jnp.stack([pad(x) for x in ids])
     if rule.attention_mask is None:
         token_mask, mask_strides = jnp.zeros((1,), jnp.int8), [0, 0]
     else:
         am = rule.attention_mask
         token_mask = am.astype(jnp.int8)
         mask_strides = [0 if am.shape[0] == 1 else am.shape[1] * T * S, 0 if am.shape[1] == 1 else T * S]
-    return ids + [token_mask], (0 if ids_batch == 1 else n_ids), mask_strides
+    return [ids, token_mask], [0 if ids_batch == 1 else n_ids, ids_batch * n_ids, *mask_strides]
 
 
 def _bias_operands(bias: Array | None, B: int, H: int, T: int, S: int) -> tuple[Array, list[int]]:
@@ -559,28 +680,34 @@ def _mask_strides(mask: BlockMask) -> list[int]:
     return [0 if Bm == 1 else Hm, 0 if Hm == 1 else 1]
 
 
+def _window(window: tuple[int, int] | None) -> list[int]:
+    left, right = window if window is not None else (0, 0)
+    return [min(left, _BIG_WINDOW), min(right, _BIG_WINDOW)]
+
+
 def _common(static: _Static, q, k, v, bias, rule, mask: BlockMask, blocks: BlockSizes):
     """Operands and meta-parameters shared by all three kernels."""
     B, H, T, D = q.shape
     H_kv, S, DV = k.shape[1], k.shape[2], v.shape[3]
-    (q_seg, kv_seg, q_pos, kv_pos, token_mask), ids_stride, mask_strides = _rule_operands(rule, B, T, S)
+    rule_args, rule_strides = _rule_operands(rule, B, T, S)
     bias_arg, bias_strides = _bias_operands(bias, B, H, T, S)
     soft_cap = 1.0 if static.soft_cap is None else float(static.soft_cap)
-    left, right = static.window if static.window is not None else (0, 0)
-    scalars = [min(left, _BIG_WINDOW), min(right, _BIG_WINDOW), T, S,
-               mask.kinds.shape[2], mask.kinds.shape[3], ids_stride, *mask_strides, *bias_strides,
-               *_mask_strides(mask)]
+    op2, causal2, window2, segments2 = static.clause2 or ("and", False, None, False)
+    scalars = [*_window(static.window), *_window(window2), T, S, mask.kinds.shape[2],
+               mask.kinds.shape[3], *rule_strides, *bias_strides, *_mask_strides(mask)]
     meta = dict(
-        SCALE=float(static.scale), SOFT_CAP=soft_cap, H=H, G=H // H_kv, D=D, DV=DV, BD=_pow2(D), BDV=_pow2(DV), BQ=blocks.block_q, BK=blocks.block_kv,
-        HAS_SEGMENTS=static.has_segments, IS_CAUSAL=static.causal, HAS_WINDOW=static.window is not None,
-        HAS_TOKEN_MASK=static.has_token_mask, HAS_BIAS=bias is not None,
-        USE_SOFTCAP=static.soft_cap is not None,
+        SCALE=float(static.scale), SOFT_CAP=soft_cap, H=H, G=H // H_kv, D=D, DV=DV, BD=_pow2(D),
+        BDV=_pow2(DV), BQ=blocks.block_q, BK=blocks.block_kv,
+        HAS_SEGMENTS=static.has_segments, IS_CAUSAL=static.causal,
+        HAS_WINDOW=static.window is not None, HAS_TOKEN_MASK=static.has_token_mask,
+        CLAUSE2=0 if static.clause2 is None else 1 if op2 == "and" else 2,
+        HAS_SEGMENTS2=segments2, IS_CAUSAL2=causal2, HAS_WINDOW2=window2 is not None,
+        HAS_BIAS=bias is not None, USE_SOFTCAP=static.soft_cap is not None,
         DOT_PRECISION=blocks.float32_dot if q.dtype == jnp.float32 else "tf32",  # 16-bit: unused
         EVEN_S=S % blocks.block_kv == 0,
         num_warps=blocks.num_warps, num_stages=blocks.num_stages,
     )
-    rule_args = [q_seg, kv_seg, q_pos, kv_pos, token_mask, bias_arg]
-    return rule_args, scalars, meta
+    return [*rule_args, bias_arg], scalars, meta
 
 
 def _fwd(static: _Static, q, k, v, sinks, bias, rule, mask: BlockMask):
@@ -676,6 +803,20 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 # ----------------------------------------------------------------------------------------------
 
 
+def _real_number(name: str, x: Any, *, positive: bool) -> float:
+    """A Python or NumPy real scalar as a Python float. The kernels are specialised on it, so it
+    must be static, and finite: ``inf`` or ``nan`` would only give NaN. A bool is refused (``True``
+    is 1 by accident, not by intent)."""
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, float, np.integer, np.floating)):
+        raise ValueError(f"{name} must be a real number (a Python or NumPy scalar: static), "
+                         f"got {x!r}")
+    number = float(x)
+    if not math.isfinite(number) or (positive and number <= 0):
+        kind = "finite positive" if positive else "finite"
+        raise ValueError(f"{name} must be a {kind} number, got {x!r}")
+    return number
+
+
 def _check_inputs(query, key, value, softmax_aux, bias, logits_soft_cap, softmax_scale):
     for name, x in (("query", query), ("key", key), ("value", value)):
         if not hasattr(x, "shape") or len(x.shape) != 4:
@@ -683,6 +824,11 @@ def _check_inputs(query, key, value, softmax_aux, bias, logits_soft_cap, softmax
                              f"got shape {getattr(x, 'shape', None)}")
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise ValueError(f"{name} must have a floating dtype, got {x.dtype}")
+    if not query.dtype == key.dtype == value.dtype:
+        # The kernels multiply q by k and p by v in one precision; promoting one side silently
+        # would hide a forgotten cast and change the precision (and memory) of the whole call.
+        raise ValueError(f"query, key and value must have one dtype, got {query.dtype}, "
+                         f"{key.dtype} and {value.dtype}: cast them to one")
     B, H, T, D = query.shape
     if key.shape[0] != B or value.shape[0] != B:
         raise ValueError(f"key and value must have the query's batch {B}, got {key.shape[0]} and {value.shape[0]}")
@@ -701,26 +847,30 @@ def _check_inputs(query, key, value, softmax_aux, bias, logits_soft_cap, softmax
             raise ValueError(f"softmax_aux must be a float array [num_heads] = [{H}], "
                              f"got {getattr(softmax_aux, 'shape', None)}")
     if bias is not None:
-        shape = tuple(getattr(bias, "shape", ()))
+        if not hasattr(bias, "shape") or not hasattr(bias, "dtype"):
+            raise ValueError(f"bias must be a float array broadcastable to [batch, heads, q_len, "
+                             f"kv_len] or a real number, got {type(bias).__name__}")
+        shape = tuple(bias.shape)
         full = (B, H, T, S)
         padded = (1,) * (4 - len(shape)) + shape
         if len(shape) > 4 or any(b not in (1, f) for b, f in zip(padded, full)):
             raise ValueError(f"bias must broadcast to [batch, heads, q_len, kv_len] = {list(full)}, got {list(shape)}")
         if not jnp.issubdtype(bias.dtype, jnp.floating):
             raise ValueError(f"bias must have a floating dtype, got {bias.dtype}")
-    if logits_soft_cap is not None and not (isinstance(logits_soft_cap, (int, float)) and logits_soft_cap > 0):
-        raise ValueError(f"logits_soft_cap must be a positive number, got {logits_soft_cap!r}")
-    if softmax_scale is not None and not isinstance(softmax_scale, (int, float, np.floating, np.integer)):
-        raise ValueError(f"softmax_scale must be a Python number (static), got {type(softmax_scale).__name__}")
+    if logits_soft_cap is not None:
+        _real_number("logits_soft_cap", logits_soft_cap, positive=True)
+    if softmax_scale is not None:
+        _real_number("softmax_scale", softmax_scale, positive=False)
 
 
 @dataclasses.dataclass(frozen=True)
 class _MaskSpec:
-    rule: TokenRule | None
+    rule: TokenRule | None  # every rule of the call, the prebuilt mask's included
     layout: Array | None
     layout_block: tuple[int, int] | None
     combine: str
-    prebuilt: BlockMask | None  # a caller's BlockMask usable as it is
+    prebuilt: BlockMask | None = None  # a caller's BlockMask: its kinds are used...
+    extra: TokenRule | None = None  # ... with this rule of the call's added (None: as it is)
 
 
 def _mask_spec(B, H, T, S, q_segment_ids, kv_segment_ids, q_positions, kv_positions, attention_mask,
@@ -737,44 +887,80 @@ def _mask_spec(B, H, T, S, q_segment_ids, kv_segment_ids, q_positions, kv_positi
                              f"got {type(mask_builder).__name__}")
         qkv_layouts = mask_builder()
     if qkv_layouts is None:
-        return _MaskSpec(rule, None, None, "and", None)
+        return _MaskSpec(rule, None, None, "and")
     if isinstance(qkv_layouts, BlockMask):
         given = qkv_layouts
-        if (given.q_len, given.kv_len) != (T, S):
-            raise ValueError(f"qkv_layouts covers lengths {(given.q_len, given.kv_len)}, the inputs {(T, S)}")
-        Bm, Hm = given.kinds.shape[:2]
-        if Bm not in (1, B) or Hm not in (1, H):
-            raise ValueError(f"qkv_layouts has batch {Bm} and heads {Hm}; expected 1 or {B}, 1 or {H}")
+        check_block_mask(given, "qkv_layouts", B, H, T, S)
         if rule is None:
             return _MaskSpec(given.rule, given.layout, given.layout_block, given.combine, given)
-        if given.rule is None:
-            return _MaskSpec(rule, given.layout, given.layout_block, "and", None)
-        dense = given.token_mask() & rule.dense(T, S)  # two rules: exact through the dense mask
-        return _MaskSpec(TokenRule(attention_mask=dense), None, None, "and", None)
+        # The call's rule (causal=True by default) must hold too. Both rules go to the kernels
+        # (one clause each, or merged into one) and the mask's kinds are combined with the call
+        # rule's, tile by tile: no dense mask. A rule the mask's implies changes nothing.
+        if given.rule is not None and given.layout is not None and given.combine == "or":
+            raise ValueError(
+                "qkv_layouts joins its rule and its layout by 'or'; the call's own rule "
+                "(causal=True by default, or segment ids, positions, sliding_window, "
+                "attention_mask) cannot be added to it without a dense token mask: pass "
+                "causal=False and no other rule argument to use the mask as it is, or build the "
+                "mask with every rule")
+        try:
+            combined = rule if given.rule is None else combine_rules(given.rule, rule, "and")
+        except ValueError as error:
+            raise ValueError(
+                f"qkv_layouts' rule and the call's own rule (causal=True by default, or segment "
+                f"ids, positions, sliding_window, attention_mask) cannot be joined without a dense "
+                f"token mask ({error}); pass causal=False and no other rule argument to use the "
+                f"mask as it is") from error
+        extra = None if combined is given.rule else rule
+        return _MaskSpec(combined, given.layout, given.layout_block, "and", given, extra)
     block = chunk_size if chunk_size is not None else default_block
     block = (block, block) if isinstance(block, (int, np.integer)) else tuple(block)
     _check_block("chunk_size", block[0])
     _check_block("chunk_size", block[1])
     layout = _check_layout(qkv_layouts, T, S, block, H)
-    return _MaskSpec(rule, layout, block, "and", None)
+    return _MaskSpec(rule, layout, block, "and")
+
+
+@jax.custom_jvp
+def _finite_part(x: Array) -> Array:
+    """``x`` with its non-finite entries set to 0, and derivative 1 everywhere: the derivative of a
+    sum of products in ``x`` does not depend on the value of ``x``."""
+    return jnp.where(jnp.isfinite(x), x, 0)
+
+
+@_finite_part.defjvp
+def _finite_part_jvp(primals, tangents):
+    return _finite_part(primals[0]), tangents[0]
 
 
 def _reference_spec(query, key, value, softmax_aux, bias, spec: _MaskSpec, scale, logits_soft_cap):
+    """The definition, densely. Invisible keys do not exist for a row: a NaN (or inf) in q, k or
+    v reaches exactly the rows that see it, forward and backward. So no product ever meets a
+    zero weight: the sums over keys (and, by autodiff, over rows) take the finite part of q, k
+    and v, and a pair with a non-finite q, k or v row has a NaN logit (and a visible such v row
+    a NaN term) added on its own, where it is visible."""
     B, H, T, D = query.shape
     G = H // key.shape[1]
     dtype = jnp.promote_types(query.dtype, jnp.float32)
     q = query.astype(dtype)
     k = jnp.repeat(key.astype(dtype), G, axis=1)
     v = jnp.repeat(value.astype(dtype), G, axis=1)
+
+    def non_finite_rows(x):
+        return ~jnp.all(jnp.isfinite(x), axis=-1)
+
     exact = jax.lax.Precision.HIGHEST  # not TF32: on a GPU XLA rounds float32 matmul inputs by default
-    s = jnp.einsum("bhtd,bhsd->bhts", q, k, precision=exact) * scale
+    s = jnp.einsum("bhtd,bhsd->bhts", _finite_part(q), _finite_part(k), precision=exact) * scale
     if logits_soft_cap is not None:
         s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
     if bias is not None:
         s = s + bias.astype(dtype)
     visible = dense_mask(spec.rule, spec.layout, spec.layout_block, spec.combine, T, key.shape[2])
     visible = jnp.broadcast_to(visible, s.shape)
-    s = jnp.where(visible, s, -jnp.inf)
+    # The NaN of a non-finite q or k row joins the logit of visible pairs only, and after the soft
+    # cap, whose derivative at a NaN would be NaN even where the select passes back a zero.
+    bad_pair = non_finite_rows(q)[..., :, None] | non_finite_rows(k)[..., None, :]
+    s = jnp.where(visible, s + jnp.where(bad_pair, jnp.nan, 0.0), -jnp.inf)
     m = jnp.max(s, axis=-1)
     if softmax_aux is not None:
         sink = softmax_aux.astype(dtype)[None, :, None]
@@ -784,13 +970,21 @@ def _reference_spec(query, key, value, softmax_aux, bias, spec: _MaskSpec, scale
     denom = jnp.sum(e, axis=-1)
     if softmax_aux is not None:
         denom = denom + jnp.exp(sink - m)
-    o = jnp.einsum("bhts,bhsd->bhtd", e, v, precision=exact) / jnp.where(denom == 0, 1.0, denom)[..., None]
-    return o.astype(query.dtype)
+    # Normalised pair by pair, then selected: a NaN denominator (of a row that sees a NaN) must not
+    # reach, by autodiff, the values of the keys that row cannot see.
+    p = jnp.where(visible, e / jnp.where(denom == 0, 1.0, denom)[..., None], 0.0)
+    o = jnp.einsum("bhts,bhsd->bhtd", p, _finite_part(v), precision=exact)
+    v_nan = jnp.where(visible & non_finite_rows(v)[..., None, :], jnp.nan, 0.0)
+    return (o + jnp.sum(p * v_nan, axis=-1)[..., None]).astype(query.dtype)
 
 
 def _prepare(query, key, value, q_segment_ids, kv_segment_ids, q_positions, kv_positions, softmax_aux, bias,
              attention_mask, logits_soft_cap, qkv_layouts, softmax_scale, mask_builder, sliding_window,
              chunk_size, causal, default_block):
+    if (isinstance(bias, (int, float, np.integer, np.floating))
+            and not isinstance(bias, (bool, np.bool_))):
+        # A number broadcasts like a 0-d array (as in NumPy); with sinks it even matters.
+        bias = jnp.asarray(bias, jnp.float32)
     _check_inputs(query, key, value, softmax_aux, bias, logits_soft_cap, softmax_scale)
     B, H, T, D = query.shape
     S = key.shape[2]
@@ -845,12 +1039,14 @@ def _fit(blocks: BlockSizes, spec: _MaskSpec) -> BlockSizes:
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _run(static: _Static, layout_block, combine, query, key, value, softmax_aux, bias, rule, layout, prebuilt):
+def _run(static: _Static, layout_block, combine, query, key, value, softmax_aux, bias, rule, layout,
+         prebuilt, extra):
     T, S = query.shape[2], key.shape[2]
 
     def mask_at(blocks: BlockSizes) -> BlockMask:
         if prebuilt is not None:
-            return prebuilt.with_blocks(blocks.block_q, blocks.block_kv)
+            mask = prebuilt.with_blocks(blocks.block_q, blocks.block_kv)
+            return mask if extra is None else restrict(mask, extra, rule)
         return _build(rule, layout, layout_block, combine, T, S, blocks.block_q, blocks.block_kv)
 
     masks = {}  # one mask per distinct tile shape (the backward's kernels may use other sizes)
@@ -888,18 +1084,26 @@ def blocksparse_attention(
     ``softmax_aux`` and ``bias``.
 
     Args:
-        query: ``[B, Hq, T, D]``; key: ``[B, Hkv, S, D]``; value: ``[B, Hkv, S, Dv]``, ``Hq % Hkv == 0``.
+        query: ``[B, Hq, T, D]``; key: ``[B, Hkv, S, D]``; value: ``[B, Hkv, S, Dv]``,
+            ``Hq % Hkv == 0``, all three of one dtype.
         q_segment_ids, kv_segment_ids: ``[B, T]`` / ``[B, S]`` ints; only equal ids attend (packing).
+            Any integer dtype; ids are compared exactly (64-bit ids that do not fit in int32 are
+            renumbered by rank, never truncated).
         q_positions, kv_positions: ``[B, T]`` / ``[B, S]`` ints for ``causal`` and the window
-            (``arange`` by default), in ``(-2**30, 2**30)``.
+            (``arange`` by default), in ``(-2**30, 2**30)`` (checked when concrete).
         softmax_aux: ``[Hq]`` one sink logit per head, in every row's denominator, with no value.
-        bias: broadcastable to ``[B, Hq, T, S]``, added to the (soft-capped) logits.
+        bias: broadcastable to ``[B, Hq, T, S]`` (a number too), added to the (soft-capped) logits.
         attention_mask: ``[B or 1, Hq or 1, T, S]`` bool or 0/1; honoured exactly.
-        logits_soft_cap: ``cap``: logits become ``cap * tanh(logits / cap)`` before the bias.
+        logits_soft_cap: ``cap``, a finite positive Python or NumPy number: logits become
+            ``cap * tanh(logits / cap)`` before the bias.
         qkv_layouts: a :class:`~ejk_lite.masking.BlockMask` (e.g. from ``make_block_mask``, built once
             and reused across layers), or a boolean block layout ``[nQ, nK]`` / ``[Hq, nQ, nK]`` whose
-            tiles are ``chunk_size`` tokens (default 128); listed tiles may be visited.
-        softmax_scale: a Python number, ``D ** -0.5`` by default.
+            tiles are ``chunk_size`` tokens (default 128); listed tiles may be visited. The call's
+            own rules hold too (``causal=True`` by default): a mask whose rule implies them is used
+            as it is; otherwise the two rules are evaluated together in partial tiles and the
+            mask's tile kinds are combined with theirs, never through a dense ``[T, S]`` mask.
+            Pass ``causal=False`` and no other rule to use the mask's rule alone.
+        softmax_scale: a finite Python or NumPy number, ``D ** -0.5`` by default.
         mask_builder: a callable with no arguments returning what ``qkv_layouts`` takes.
         sliding_window: ``W`` or ``(left, right)``: visible iff ``q_pos - left <= kv_pos <= q_pos + right``.
         chunk_size: tile size of a boolean ``qkv_layouts`` (int or ``(q, kv)``).
@@ -911,7 +1115,11 @@ def blocksparse_attention(
             kernels support the call, else XLA).
 
     A pair is visible iff every rule given holds. A query row that sees no key gets zeros (and
-    passes no gradient). Returns ``[B, Hq, T, Dv]`` in the query's dtype.
+    passes no gradient). Keys a row cannot see do not exist for it: a NaN in ``q``, ``k`` or ``v``
+    makes NaN exactly the output rows that see it (the row's own ``q``: that row), and, for a
+    finite cotangent, reaches a gradient only through visible pairs, as autodiff of softmax
+    attention over the visible keys alone would (an inf may give inf or NaN there). Returns
+    ``[B, Hq, T, Dv]`` in the query's dtype.
     """
     if impl not in ("auto", "triton", "xla"):
         raise ValueError(f"impl must be 'auto', 'triton' or 'xla', got {impl!r}")
@@ -944,11 +1152,14 @@ def blocksparse_attention(
     if T == 0 or S == 0:  # nothing to attend to: zeros, and zero gradients
         return jnp.zeros((B, H, T, DV), query.dtype)
     rule = spec.rule
+    other = None if rule is None else rule.other
     static = _Static(
         scale=scale, soft_cap=cap, fwd=fwd, dkv=dkv, dq=dq,
         causal=bool(rule is not None and rule.causal), window=None if rule is None else rule.window,
         has_segments=rule is not None and rule.q_segment_ids is not None,
         has_token_mask=rule is not None and rule.attention_mask is not None,
+        clause2=None if other is None else (rule.op, other.causal, other.window,
+                                            other.q_segment_ids is not None),
     )
     return _run(static, spec.layout_block, spec.combine, query, key, value, softmax_aux, bias, rule,
-                spec.layout, spec.prebuilt)
+                spec.layout, spec.prebuilt, spec.extra)

@@ -29,7 +29,19 @@ ends of the sequences do not count). With a token ``attention_mask`` this is com
 mask; without one, from per-block summaries (for *full*) and a binary search per query token over each
 key block's keys sorted by (segment, position) (for *any*), which is exact for positions in any order.
 
-Positions are ``int32`` and must lie in ``(-2**30, 2**30)``; windows are clipped to ``2**30``.
+**Two rules, no dense mask.** Masks combine with ``&`` and ``|`` (and a prebuilt mask with the rules
+of an attention call) without ever forming the ``T x S`` token mask: two rules that can be one (the
+same positions, the same segment ids or one side without) merge into one; otherwise the rule gets a
+second *clause* (:class:`TokenRule` ``other``), which partial tiles evaluate too, and the tile kinds
+are the two masks' kinds combined tile by tile (``and``: empty if either is, full if both are;
+``or``: full if either is, empty if both are; partial otherwise). The token mask stays exact; such
+a partial tile may hold no visible pair (or only visible ones): work, not a wrong answer. What
+would need a third clause, or a rule joined to one layout by ``and`` and to another by ``or``, is a
+``ValueError`` naming the dense alternative (an explicit ``attention_mask``).
+
+Positions are ``int32`` and must lie in ``(-2**30, 2**30)`` (checked when concrete); windows are
+clipped to ``2**30``. Segment ids of any integer dtype are compared exactly: ids that do not fit in
+int32 are renumbered by their rank (order and equality kept).
 """
 
 from __future__ import annotations
@@ -59,6 +71,11 @@ class TokenRule:
 
     Arrays have a leading batch axis of 1 (shared by every row) or B. ``attention_mask`` is
     ``[B or 1, H or 1, T, S]`` bool.
+
+    A rule may have a second *clause*, ``other`` (a rule of segments, positions, causal and
+    window, without a token mask or a clause of its own), joined to this one by ``op``
+    (``"and"`` / ``"or"``): that is how two rules combine without a dense mask; partial tiles
+    evaluate both clauses.
     """
 
     q_segment_ids: Array | None = None
@@ -68,10 +85,18 @@ class TokenRule:
     attention_mask: Array | None = None
     causal: bool = dataclasses.field(default=False, metadata=dict(static=True))
     window: tuple[int, int] | None = dataclasses.field(default=None, metadata=dict(static=True))
+    other: TokenRule | None = None
+    op: str = dataclasses.field(default="and", metadata=dict(static=True))
 
     @property
     def uses_positions(self) -> bool:
+        """Whether this rule's own clause reads positions (causal or a window)."""
         return self.causal or self.window is not None
+
+    @property
+    def own(self) -> TokenRule:
+        """This rule's own clause, without ``other``."""
+        return self if self.other is None else dataclasses.replace(self, other=None, op="and")
 
     @property
     def batch(self) -> int:
@@ -79,6 +104,8 @@ class TokenRule:
         sizes = [a.shape[0] for a in arrays if a is not None]
         if self.attention_mask is not None:
             sizes.append(self.attention_mask.shape[0])
+        if self.other is not None:
+            sizes.append(self.other.batch)
         return max(sizes, default=1)
 
     @property
@@ -111,6 +138,9 @@ class TokenRule:
 
     def dense(self, q_len: int, kv_len: int) -> Array:
         """The rule as a dense boolean ``[batch, heads, T, S]`` (for tests, pictures, small sizes)."""
+        if self.other is not None:
+            a, b = self.own.dense(q_len, kv_len), self.other.dense(q_len, kv_len)
+            return a & b if self.op == "and" else a | b
         qs, ks = self.segments(q_len, kv_len)
         qp, kp = self.positions(q_len, kv_len)
         lo, hi = self.key_interval(qp)
@@ -124,8 +154,9 @@ class TokenRule:
 
 jax.tree_util.register_dataclass(
     TokenRule,
-    data_fields=["q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions", "attention_mask"],
-    meta_fields=["causal", "window"],
+    data_fields=["q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions", "attention_mask",
+                 "other"],
+    meta_fields=["causal", "window", "op"],
 )
 
 
@@ -253,7 +284,13 @@ def _count_before(sorted_seg, sorted_pos, n_valid, seg, pos, inclusive: bool) ->
 
 
 def _rule_kinds(rule: TokenRule, T: int, S: int, bq: int, bk: int) -> Array:
-    """Tile kinds ``[Bm, Hm, nQ, nK]`` of a token rule, exact for any segments and positions."""
+    """Tile kinds ``[Bm, Hm, nQ, nK]`` of a token rule, exact for any segments and positions. With
+    two clauses, the kinds of each combined tile by tile (exact where it can be without looking at
+    pairs: ``and`` is empty if either is, full if both are; ``or`` full if either is, empty if both
+    are; partial otherwise, where the kernel's pair-by-pair test decides)."""
+    if rule.other is not None:
+        a, b = _rule_kinds(rule.own, T, S, bq, bk), _rule_kinds(rule.other, T, S, bq, bk)
+        return jnp.minimum(a, b) if rule.op == "and" else jnp.maximum(a, b)
     if rule.attention_mask is not None:
         return _dense_kinds(rule.dense(T, S), T, S, bq, bk)
     qs, ks = rule.segments(T, S)
@@ -389,6 +426,10 @@ def _build(rule, layout, layout_block, combine, T, S, bq, bk) -> BlockMask:
             kinds = jnp.minimum(kinds, lk) if combine == "and" else jnp.maximum(kinds, lk)
     if kinds is None:
         kinds = jnp.full((1, 1, nQ, nK), FULL, jnp.int8)
+    return _from_kinds(kinds, rule, layout, layout_block, combine, T, S, bq, bk)
+
+
+def _from_kinds(kinds, rule, layout, layout_block, combine, T, S, bq, bk) -> BlockMask:
     rows_t = kinds.swapaxes(-1, -2)
     pc, pi = _lists(kinds, PARTIAL)
     fc, fi = _lists(kinds, FULL)
@@ -397,6 +438,24 @@ def _build(rule, layout, layout_block, combine, T, S, bq, bk) -> BlockMask:
     return BlockMask(kinds, pc, pi, fc, fi, tpc, tpi, tfc, tfi, rule, layout,
                      q_len=T, kv_len=S, q_block=bq, kv_block=bk,
                      layout_block=None if layout is None else tuple(layout_block), combine=combine)
+
+
+def restrict(mask: BlockMask, extra: TokenRule, rule: TokenRule | None = None) -> BlockMask:
+    """``mask`` and ``extra`` must both hold: the mask's own kinds (as built, no rebuild at its
+    block sizes) combined with those of ``extra`` tile by tile, and partial tiles evaluate
+    ``rule``, the two rules combined (:func:`combine_rules`, unless given). No dense mask. A
+    ``mask`` that joins its rule and a layout by ``or`` cannot be restricted so (its tiles would
+    need two different rules): a ``ValueError``."""
+    if mask.rule is not None and mask.layout is not None and mask.combine == "or":
+        raise ValueError("a mask that joins its rule and its layout by 'or' cannot take one more "
+                         "rule without a dense token mask")
+    if rule is None:
+        rule = extra if mask.rule is None else combine_rules(mask.rule, extra, "and")
+    if rule is mask.rule:
+        return mask
+    T, S, bq, bk = mask.q_len, mask.kv_len, mask.q_block, mask.kv_block
+    kinds = jnp.minimum(mask.kinds, _rule_kinds(extra, T, S, bq, bk))
+    return _from_kinds(kinds, rule, mask.layout, mask.layout_block, "and", T, S, bq, bk)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -409,7 +468,8 @@ def _check_block(name: str, size: Any) -> None:
         raise ValueError(f"{name} must be a power of two, got {size!r}")
 
 
-def _check_ids(name: str, x: Any, length: int, batch: int | None) -> Array | None:
+def _check_ids(name: str, x: Any, length: int, batch: int | None) -> Any:
+    """Shape and dtype of ids ``[batch or 1, length]``; returned as given (NumPy or JAX)."""
     if x is None:
         return None
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
@@ -418,9 +478,58 @@ def _check_ids(name: str, x: Any, length: int, batch: int | None) -> Array | Non
         raise ValueError(f"{name} must have shape [batch, {length}], got {tuple(x.shape)}")
     if batch is not None and x.shape[0] not in (1, batch):
         raise ValueError(f"{name} has batch {x.shape[0]}, expected 1 or {batch}")
-    if not jnp.issubdtype(x.dtype, jnp.integer):
+    if not jnp.issubdtype(x.dtype, jnp.integer) or x.dtype == jnp.bool_:
         raise ValueError(f"{name} must have an integer dtype, got {x.dtype}")
+    return x
+
+
+def _fits_int32(dtype: Any) -> bool:
+    return jnp.iinfo(dtype).min >= _I32_MIN and jnp.iinfo(dtype).max <= _I32_MAX
+
+
+def _positions_int32(name: str, x: Any) -> Array | None:
+    """Positions as int32. Concrete values outside ``(-2**30, 2**30)`` are an error: the kernels
+    compute ``kv_pos - q_pos`` and ``pos +- window`` in int32, which would overflow. Traced values
+    cannot be checked here; the documented range is the caller's to keep."""
+    if x is None:
+        return None
+    if _is_concrete(x) and np.asarray(x).size:
+        values = np.asarray(x)
+        low, high = values.min(), values.max()
+        if low <= -_BIG or high >= _BIG:
+            raise ValueError(f"{name} must lie in (-2**30, 2**30), got values in [{low}, {high}]")
+        return jnp.asarray(values.astype(np.int32))
     return jnp.asarray(x).astype(jnp.int32)
+
+
+def _segments_int32(q_ids: Any, kv_ids: Any) -> tuple[Array, Array]:
+    """Segment ids as int32, equal exactly where the given ids are equal (only equality matters,
+    and their order, which the mask builder uses to find sorted keys). Ids whose dtype fits in
+    int32 are cast; wider ones (int64, uint32, ...) that do not fit are replaced by their rank
+    among all the ids of the call, which keeps both, for any values: no two ids merge."""
+    if _fits_int32(q_ids.dtype) and _fits_int32(kv_ids.dtype):
+        return jnp.asarray(q_ids).astype(jnp.int32), jnp.asarray(kv_ids).astype(jnp.int32)
+    if _is_concrete(q_ids) and _is_concrete(kv_ids):
+        q, kv = np.asarray(q_ids), np.asarray(kv_ids)
+        both = np.concatenate([q.ravel(), kv.ravel()])
+        if both.size == 0 or (both.min() >= _I32_MIN and both.max() <= _I32_MAX):
+            return jnp.asarray(q.astype(np.int32)), jnp.asarray(kv.astype(np.int32))
+        ranks = np.unique(both, return_inverse=True)[1].astype(np.int32)
+        return (jnp.asarray(ranks[:q.size].reshape(q.shape)),
+                jnp.asarray(ranks[q.size:].reshape(kv.shape)))
+    # Traced (a 64-bit dtype exists only with jax_enable_x64): the rank, computed in the graph.
+    dtype = jnp.promote_types(q_ids.dtype, kv_ids.dtype)
+    if not jnp.issubdtype(dtype, jnp.integer):
+        raise ValueError(f"q_segment_ids ({q_ids.dtype}) and kv_segment_ids ({kv_ids.dtype}) "
+                         "have no common integer dtype: give them one dtype")
+    both = jnp.concatenate([jnp.ravel(q_ids).astype(dtype), jnp.ravel(kv_ids).astype(dtype)])
+    order = jnp.argsort(both)
+    ordered = both[order]
+    new_value = jnp.concatenate([jnp.zeros(1, jnp.int32),
+                                 (ordered[1:] != ordered[:-1]).astype(jnp.int32)])
+    ranks = jnp.zeros(both.shape, jnp.int32).at[order].set(jnp.cumsum(new_value))
+    n_q = int(np.prod(q_ids.shape))
+    return ranks[:n_q].reshape(q_ids.shape), ranks[n_q:].reshape(kv_ids.shape)
 
 
 def normalize_window(sliding_window: Any) -> tuple[int, int] | None:
@@ -450,6 +559,13 @@ def token_rule(q_len: int, kv_len: int, *, q_segment_ids=None, kv_segment_ids=No
     window = normalize_window(sliding_window)
     if not isinstance(causal, (bool, np.bool_)):
         raise ValueError(f"causal must be a bool, got {causal!r}")
+    if q_segment_ids is not None:
+        q_segment_ids, kv_segment_ids = _segments_int32(q_segment_ids, kv_segment_ids)
+    if causal or window is not None:  # positions matter only to causal and window rules
+        q_positions = _positions_int32("q_positions", q_positions)
+        kv_positions = _positions_int32("kv_positions", kv_positions)
+    else:
+        q_positions = kv_positions = None
     if attention_mask is not None:
         shape = getattr(attention_mask, "shape", None)
         if shape is None or len(shape) != 4 or tuple(shape[2:]) != (q_len, kv_len):
@@ -471,8 +587,6 @@ def token_rule(q_len: int, kv_len: int, *, q_segment_ids=None, kv_segment_ids=No
         raise ValueError(f"segment ids, positions and attention_mask disagree on the batch size: {sorted(batches)}")
     if all(a is None for a in ids) and attention_mask is None and not causal and window is None:
         return None
-    if not causal and window is None:  # positions matter only to causal and window rules
-        q_positions = kv_positions = None
     return TokenRule(q_segment_ids, kv_segment_ids, q_positions, kv_positions, attention_mask,
                      causal=bool(causal), window=window)
 
@@ -545,6 +659,112 @@ def make_block_mask(
     return _build(rule, layout, layout_block, combine, int(q_len), int(kv_len), int(q_block), int(kv_block))
 
 
+# ----------------------------------------------------------------------------------------------
+# Combining rules and masks, without a dense token mask.
+# ----------------------------------------------------------------------------------------------
+
+_ARRAY_FIELDS = ("q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions", "attention_mask")
+
+
+def _same(x: Any, y: Any) -> bool:
+    """The same array: one object (traced ones can only be compared so), or concrete with the same
+    shape and values. ``None`` is the same as ``None`` (the default ids)."""
+    if x is None or y is None or x is y:
+        return x is y
+    if not (_is_concrete(x) and _is_concrete(y)) or x.shape != y.shape or x.dtype != y.dtype:
+        return False
+    return bool(np.array_equal(np.asarray(x), np.asarray(y)))
+
+
+def _merge_and(a: TokenRule, b: TokenRule) -> TokenRule | None:
+    """One clause allowing exactly the pairs both one-clause rules allow, or ``None`` when that
+    takes two (causal or windows on different positions, different segment ids)."""
+    if a.other is not None or b.other is not None:
+        return None
+    if b.q_segment_ids is None:
+        segments = (a.q_segment_ids, a.kv_segment_ids)
+    elif a.q_segment_ids is None:
+        segments = (b.q_segment_ids, b.kv_segment_ids)
+    elif _same(a.q_segment_ids, b.q_segment_ids) and _same(a.kv_segment_ids, b.kv_segment_ids):
+        segments = (a.q_segment_ids, a.kv_segment_ids)
+    else:
+        return None
+    if not b.uses_positions:
+        positions = (a.q_positions, a.kv_positions)
+    elif not a.uses_positions:
+        positions = (b.q_positions, b.kv_positions)
+    elif _same(a.q_positions, b.q_positions) and _same(a.kv_positions, b.kv_positions):
+        positions = (a.q_positions, a.kv_positions)
+    else:
+        return None
+    token_mask = a.attention_mask if b.attention_mask is None else b.attention_mask
+    if a.attention_mask is not None and b.attention_mask is not None:  # two dense masks, given
+        token_mask = a.attention_mask if _same(a.attention_mask, b.attention_mask) \
+            else a.attention_mask & b.attention_mask
+    windows = [w for w in (a.window, b.window) if w is not None]
+    window = (min(w[0] for w in windows), min(w[1] for w in windows)) if windows else None
+    return TokenRule(*segments, *positions, token_mask, causal=a.causal or b.causal, window=window)
+
+
+def _implies(a: TokenRule, b: TokenRule) -> bool:
+    """Every pair ``a`` allows, the one-clause ``b`` allows too, as far as the fields tell (the same
+    arrays, ``b``'s window no tighter): then ``a and b`` is ``a``."""
+    if a.other is not None:
+        own, other = _implies(a.own, b), _implies(a.other, b)
+        return (own or other) if a.op == "and" else (own and other)
+    merged = _merge_and(a, b)
+    return (merged is not None and merged.causal == a.causal and merged.window == a.window
+            and all(getattr(merged, f) is getattr(a, f) for f in _ARRAY_FIELDS))
+
+
+def _two_clauses(a: TokenRule, b: TokenRule, op: str) -> TokenRule:
+    """``a op b`` for one-clause rules, as a rule with a second clause. The kernels read a token
+    mask in the first clause only: it goes there (joined to the other's first, for ``and``)."""
+    if b.attention_mask is not None and a.attention_mask is None:
+        a, b = b, a
+    if b.attention_mask is not None:
+        if op == "or":  # both sides hold a dense mask already: one dense mask is no loss
+            return TokenRule(attention_mask=a.dense(*a.attention_mask.shape[2:])
+                             | b.dense(*b.attention_mask.shape[2:]))
+        a = dataclasses.replace(a, attention_mask=a.attention_mask & b.attention_mask)
+        b = dataclasses.replace(b, attention_mask=None)
+    return dataclasses.replace(a, other=b, op=op)
+
+
+def combine_rules(a: TokenRule, b: TokenRule, op: str) -> TokenRule:
+    """``a op b`` (``op`` ``"and"`` / ``"or"``) as one :class:`TokenRule` of at most two clauses,
+    which is what the kernels evaluate: a rule that implies the other is kept as it is, two
+    compatible clauses joined by ``and`` merge into one. Three clauses: a ``ValueError``."""
+    if _implies(a, b) if b.other is None else False:
+        return a if op == "and" else b
+    if _implies(b, a) if a.other is None else False:
+        return b if op == "and" else a
+    if a.other is None and b.other is None:
+        merged = _merge_and(a, b) if op == "and" else None
+        return merged if merged is not None else _two_clauses(a, b, op)
+    pair, single = (a, b) if a.other is not None else (b, a)
+    if single.other is None and op == "and" and pair.op == "and":
+        for first, second in ((pair.own, pair.other), (pair.other, pair.own)):
+            merged = _merge_and(first, single)
+            if merged is not None:
+                return _two_clauses(merged, second, "and")
+    symbol = "&" if op == "and" else "|"
+    raise ValueError(f"combining these rules by '{op}' takes more than two clauses, which the "
+                     "kernels do not evaluate: build one mask from a dense token mask, e.g. "
+                     f"make_block_mask(..., attention_mask=a.token_mask() {symbol} b.token_mask())")
+
+
+def _merge_layouts(a: BlockMask, b: BlockMask, op: str) -> tuple[Array, tuple[int, int]]:
+    """Two masks' layouts joined by ``op``, at the finer of the two grains."""
+    if a.layout is None or b.layout is None:
+        one = a if b.layout is None else b
+        return one.layout, one.layout_block
+    grain = (min(a.layout_block[0], b.layout_block[0]), min(a.layout_block[1], b.layout_block[1]))
+    la = _layout_kinds(a.layout, a.layout_block, a.q_len, a.kv_len, *grain)[0] == FULL
+    lb = _layout_kinds(b.layout, b.layout_block, a.q_len, a.kv_len, *grain)[0] == FULL
+    return (la & lb if op == "and" else la | lb), grain
+
+
 def _combine(a: BlockMask, b: BlockMask, op: str) -> BlockMask:
     if not isinstance(a, BlockMask) or not isinstance(b, BlockMask):
         raise ValueError("masks combine with other BlockMasks only")
@@ -552,33 +772,148 @@ def _combine(a: BlockMask, b: BlockMask, op: str) -> BlockMask:
         raise ValueError(f"masks cover different lengths: {(a.q_len, a.kv_len)} and {(b.q_len, b.kv_len)}")
     bq, bk = min(a.q_block, b.q_block), min(a.kv_block, b.kv_block)
     T, S = a.q_len, a.kv_len
-    if a.rule is None and b.rule is not None:
+
+    def build(rule, layout, grain, combine):
+        if grain is not None:
+            return _build(rule, layout, grain, combine, T, S, min(bq, grain[0]), min(bk, grain[1]))
+        return _build(rule, layout, None, combine, T, S, bq, bk)
+
+    if b.rule is None and b.layout is None:  # b allows every pair: and keeps a, or gives b
         a, b = b, a
-    if b.rule is None and b.layout is not None and (a.layout is None or a.rule is None or a.combine == op):
-        # (R op1 La) op Lb with op1 == op, or R op Lb: one rule, one layout at the finer grain.
-        if a.layout is None:
-            layout, grain = b.layout, b.layout_block
-        else:
-            grain = (min(a.layout_block[0], b.layout_block[0]), min(a.layout_block[1], b.layout_block[1]))
-            la = _layout_kinds(a.layout, a.layout_block, T, S, *grain)[0] == FULL
-            lb = _layout_kinds(b.layout, b.layout_block, T, S, *grain)[0] == FULL
-            layout = la & lb if op == "and" else la | lb
-        if a.rule is None and op == "or" and a.layout is None:  # a is "everything visible"
-            layout = jnp.ones_like(layout)
-        bq, bk = min(bq, grain[0]), min(bk, grain[1])
-        return _build(a.rule, layout, grain, op, T, S, bq, bk)
-    # Anything else (two rules, mixed combinations): the exact answer through the dense token mask.
-    ta, tb = a.token_mask(), b.token_mask()
-    dense = ta & tb if op == "and" else ta | tb
-    rule = TokenRule(attention_mask=dense)
-    return _build(rule, None, None, "and", T, S, bq, bk)
+    if a.rule is None and a.layout is None:
+        kept = b if op == "and" else a
+        return build(kept.rule, kept.layout, kept.layout_block, kept.combine)
+    if a.rule is None:
+        a, b = b, a
+    # Each side is (rule combine layout). Joined by op, it stays one rule and one layout when
+    # every side that has both joins them by op too (op is associative and commutative).
+    mixed = [m for m in (a, b) if m.rule is not None and m.layout is not None and m.combine != op]
+    if mixed:
+        raise ValueError(f"a mask that joins its rule and its layout by '{mixed[0].combine}' "
+                         f"cannot be joined to another by '{op}' without a dense token mask: build "
+                         f"one mask from it, e.g. make_block_mask(..., "
+                         f"attention_mask=a.token_mask() {'&' if op == 'and' else '|'} "
+                         f"b.token_mask())")
+    rule = a.rule if b.rule is None else combine_rules(a.rule, b.rule, op)
+    if a.layout is None and b.layout is None:
+        return build(rule, None, None, "and")
+    layout, grain = _merge_layouts(a, b, op)
+    return build(rule, layout, grain, op)
 
 
 def intersection(a: BlockMask, b: BlockMask) -> BlockMask:
-    """Pairs visible in both masks. Cheap when one side is a layout; otherwise through the dense mask."""
+    """Pairs visible in both masks: the rules combined (at most two clauses in all) and the layouts
+    combined, no dense mask. A ``ValueError`` where that cannot be exact (see :func:`union`)."""
     return _combine(a, b, "and")
 
 
 def union(a: BlockMask, b: BlockMask) -> BlockMask:
-    """Pairs visible in either mask. Cheap when one side is a layout; otherwise through the dense mask."""
+    """Pairs visible in either mask: the rules combined (at most two clauses in all) and the layouts
+    combined, no dense mask. A mask that joins a rule and a layout by ``and`` cannot be joined to
+    another by ``or`` exactly (nor one joined by ``or`` by ``and``): a ``ValueError`` says what to
+    pass."""
     return _combine(a, b, "or")
+
+
+# ----------------------------------------------------------------------------------------------
+# A mask that comes from outside: its arrays decide which memory the kernels read.
+# ----------------------------------------------------------------------------------------------
+
+# (prefix, kind listed, transposed): the four padded lists of a BlockMask
+_LISTS = (("partial", PARTIAL, False), ("full", FULL, False),
+          ("t_partial", PARTIAL, True), ("t_full", FULL, True))
+
+
+def _is_concrete(x: Any) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
+def check_block_mask(mask: Any, name: str, batch: int, heads: int, q_len: int, kv_len: int) -> None:
+    """Check a caller's :class:`BlockMask` against the call: shapes and dtypes always (they are
+    static), values when the arrays are concrete. The kernels read key and query blocks at the
+    listed indices, so a list that points outside its range would read outside the inputs.
+
+    Under ``jit`` the values cannot be checked; the kernels clamp every index and count they
+    load, so a wrong traced mask gives wrong numbers, never a read outside the arrays.
+    """
+    if not isinstance(mask, BlockMask):
+        raise ValueError(f"{name} must be a BlockMask, got {type(mask).__name__}")
+    if (mask.q_len, mask.kv_len) != (q_len, kv_len):
+        raise ValueError(f"{name} covers lengths {(mask.q_len, mask.kv_len)}, the inputs "
+                         f"{(q_len, kv_len)}")
+    _check_block(f"{name}.q_block", mask.q_block)
+    _check_block(f"{name}.kv_block", mask.kv_block)
+    shape = tuple(getattr(mask.kinds, "shape", ()))
+    if len(shape) != 4:
+        hint = (": its arrays have a leading axis from jax.vmap; use it inside the same vmap, or "
+                "index one element" if len(shape) == 5 else "")
+        raise ValueError(f"{name}.kinds must have 4 axes [batch or 1, heads or 1, n_q_blocks, "
+                         f"n_kv_blocks], got shape {shape}{hint}")
+    Bm, Hm = shape[:2]
+    if Bm not in (1, batch) or Hm not in (1, heads):
+        raise ValueError(f"{name} has batch {Bm} and heads {Hm}; expected 1 or {batch}, "
+                         f"1 or {heads}")
+    nQ, nK = -(-q_len // mask.q_block), -(-kv_len // mask.kv_block)
+    expected = {"kinds": ((Bm, Hm, nQ, nK), jnp.int8)}
+    for prefix, _, transposed in _LISTS:
+        rows, cols = (nK, nQ) if transposed else (nQ, nK)
+        expected[f"{prefix}_count"] = ((Bm, Hm, rows), jnp.int32)
+        expected[f"{prefix}_index"] = ((Bm, Hm, rows, cols), jnp.int32)
+    for field, (want, dtype) in expected.items():
+        x = getattr(mask, field)
+        got = (tuple(getattr(x, "shape", ())), getattr(x, "dtype", None))
+        if got != (want, dtype):
+            raise ValueError(f"{name}.{field} must be {jnp.dtype(dtype).name} of shape "
+                             f"{list(want)} (blocks {mask.q_block} x {mask.kv_block}), "
+                             f"got {got[1]} of shape "
+                             f"{list(got[0])}")
+    if mask.rule is not None:
+        _check_rule_shapes(mask.rule, f"{name}.rule", batch, heads, q_len, kv_len)
+    if all(_is_concrete(getattr(mask, field)) for field in expected):
+        _check_mask_values(mask, name)
+
+
+def _check_rule_shapes(rule: TokenRule, name: str, batch: int, heads: int, T: int, S: int) -> None:
+    for field, length in (("q_segment_ids", T), ("kv_segment_ids", S), ("q_positions", T),
+                          ("kv_positions", S)):
+        x = getattr(rule, field)
+        if x is not None and (len(x.shape) != 2 or x.shape[0] not in (1, batch)
+                              or x.shape[1] != length):
+            raise ValueError(f"{name}.{field} must have shape [1 or {batch}, {length}], "
+                             f"got {list(x.shape)}")
+    am = rule.attention_mask
+    if am is not None and (len(am.shape) != 4 or am.shape[0] not in (1, batch)
+                           or am.shape[1] not in (1, heads) or tuple(am.shape[2:]) != (T, S)):
+        raise ValueError(f"{name}.attention_mask must have shape [1 or {batch}, 1 or {heads}, "
+                         f"{T}, {S}], got {list(am.shape)}")
+
+
+def _check_mask_values(mask: BlockMask, name: str) -> None:
+    """Kinds in {EMPTY, PARTIAL, FULL}; each list's count in ``[0, n]``, its first ``count`` entries
+    in ``[0, n)``, ascending, and exactly the tiles of its kind. Vectorised NumPy, O(tiles)."""
+    kinds = np.asarray(mask.kinds)
+    if not np.isin(kinds, (EMPTY, PARTIAL, FULL)).all():
+        raise ValueError(f"{name}.kinds must hold only {EMPTY}, {PARTIAL}, {FULL} "
+                         "(empty, partial, full)")
+    for prefix, kind, transposed in _LISTS:
+        k = kinds.swapaxes(-1, -2) if transposed else kinds
+        n = k.shape[-1]
+        count = np.asarray(getattr(mask, f"{prefix}_count"))
+        index = np.asarray(getattr(mask, f"{prefix}_index"))
+        if count.size == 0:
+            continue
+        if count.min() < 0 or count.max() > n:
+            raise ValueError(f"{name}.{prefix}_count must lie in [0, {n}], got values in "
+                             f"[{count.min()}, {count.max()}]")
+        valid = np.arange(n) < count[..., None]
+        outside = valid & ((index < 0) | (index >= n))
+        if outside.any():
+            raise ValueError(f"{name}.{prefix}_index: its first {prefix}_count entries must lie in "
+                             f"[0, {n}), got {index[outside][0]}")
+        if not np.array_equal(count, np.sum(k == kind, axis=-1)):
+            raise ValueError(f"{name}.{prefix}_count disagrees with {name}.kinds")
+        listed = np.take_along_axis(k, np.where(valid, index, 0), axis=-1) == kind
+        ascending = np.diff(index, axis=-1) > 0
+        if not (listed | ~valid).all() or not (ascending | ~valid[..., 1:]).all():
+            raise ValueError(f"{name}.{prefix}_index must list the tiles {name}.kinds marks "
+                             f"{'partial' if kind == PARTIAL else 'full'}, ascending")

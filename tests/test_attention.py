@@ -12,6 +12,7 @@ denominator, soft cap before bias, rows with nothing visible) cannot pass unnoti
 import functools
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -450,6 +451,22 @@ def bad_inputs():
         ("bwd_blocks", dict(bwd_blocks=(BlockSizes(16, 16),) * 3)),
         ("block_kv", dict(bwd_blocks=(BlockSizes(16, 16), BlockSizes(16, 48)))),
         ("qkv_layouts or mask_builder", dict(qkv_layouts=np.ones((1, 1), bool), mask_builder=lambda: None)),
+        # Values that used to give NaN, zeros or nonsense without a word.
+        ("q_positions", dict(q_positions=np.full((2, 16), 2**30, np.int64))),
+        ("kv_positions", dict(kv_positions=np.full((2, 24), -2**30, np.int32), sliding_window=4)),
+        ("logits_soft_cap", dict(logits_soft_cap=float("inf"))),
+        ("logits_soft_cap", dict(logits_soft_cap=float("nan"))),
+        ("logits_soft_cap", dict(logits_soft_cap=True)),
+        ("softmax_scale", dict(softmax_scale=float("nan"))),
+        ("softmax_scale", dict(softmax_scale=np.float32("inf"))),
+        ("softmax_scale", dict(softmax_scale=True)),
+        ("softmax_scale", dict(softmax_scale=jnp.float32(0.5))),
+        ("bias", dict(bias=True)),
+        ("bias", dict(bias=[0.5])),
+        ("query, key and value must have one dtype", dict(query=q.astype(np.float16))),
+        ("qkv_layouts.kinds", dict(qkv_layouts=jax.vmap(lambda ids: make_block_mask(
+            16, 24, q_block=16, kv_block=16, q_segment_ids=ids, kv_segment_ids=ids[:, :1].repeat(24, 1)))(
+                np.zeros((3, 1, 16), np.int32)), causal=False)),
     ], dict(query=q, key=k, value=v)
 
 
@@ -461,3 +478,192 @@ def test_bad_input_names_the_argument(name, kwargs):
     arguments = dict(BASE, **kwargs)
     with pytest.raises(ValueError, match=name):
         blocksparse_attention(**arguments)
+
+
+@pytest.mark.parametrize("field, value", [("block_q", 16.0), ("block_kv", True), ("num_warps", "4"),
+                                          ("num_stages", np.float64(2))])
+def test_block_sizes_take_ints_only(field, value):
+    with pytest.raises(ValueError, match=f"BlockSizes.{field}"):
+        BlockSizes(**dict(dict(block_q=16, block_kv=16), **{field: value}))
+
+
+# ----------------------------------------------------------------------------------------------
+# Arguments that used to fail deep inside, or to be misread: now the right answer.
+# ----------------------------------------------------------------------------------------------
+
+
+def test_numpy_scalars_and_a_number_as_bias(rng):
+    """NumPy scalars for logits_soft_cap, softmax_scale and the block sizes are taken as Python
+    numbers; a Python number as bias broadcasts like a 0-d array (with sinks it changes the result)."""
+    arrays = make_inputs(rng, T=40, D=32, q_scale=8.0, sinks=True)
+    options = dict(causal=True, logits_soft_cap=np.float32(3.0), softmax_scale=np.float64(0.2), bias=0.75)
+    blocks = BlockSizes(np.int64(16), np.int32(16), np.int64(4), np.int8(2))
+    assert type(blocks.block_q) is int and blocks == BWD.__class__(16, 16)
+    xs = {k: jnp.asarray(v, jnp.float32) for k, v in arrays.items()}
+    out = blocksparse_attention(**xs, **options, impl="triton", fwd_blocks=blocks, bwd_blocks=BWD)
+    with jax.enable_x64(True):
+        ref = reference(**{k: jnp.asarray(v, jnp.float64) for k, v in arrays.items()}, causal=True,
+                        logits_soft_cap=3.0, softmax_scale=0.2, bias=jnp.full((1, 1, 1, 1), 0.75))
+        without_bias = reference(**{k: jnp.asarray(v, jnp.float64) for k, v in arrays.items()},
+                                 causal=True, logits_soft_cap=3.0, softmax_scale=0.2)
+    assert rel_err(out, ref) <= TOLERANCE["float32"]
+    assert rel_err(ref, without_bias) > 1e-3  # the sink makes a uniform bias matter
+    expected = numpy_attention(**arrays, bias=0.75, logits_soft_cap=3.0, softmax_scale=0.2, causal=True)
+    assert rel_err(out, expected) <= TOLERANCE["float32"]
+
+
+def test_wide_segment_ids_never_merge(rng):
+    """int64 segment ids that differ by a multiple of 2**32 are different documents (they used to
+    be cast to int32 and merge): equal to the same documents numbered 0, 1, 2, ..."""
+    B, T = 2, 48
+    doc = documents(rng, B, T)
+    ids = doc["q_segment_ids"]
+    wide = ids.astype(np.int64) * 2**32 + 5  # every id the same modulo 2**32
+    arrays = make_inputs(rng, B=B, T=T)
+    narrow_options = dict(doc)
+    wide_options = dict(doc, q_segment_ids=wide, kv_segment_ids=wide)
+    out, grads, ref, ref_grads, inputs64 = run(arrays, jnp.float32, wide_options, cotangent_rng=rng)
+    expected = numpy_attention(**inputs64, **narrow_options)
+    assert rel_err(out, expected) <= TOLERANCE["float32"]
+    assert rel_err(ref, expected) <= 1e-12
+    for name in grads:
+        assert rel_err(grads[name], ref_grads[name]) <= TOLERANCE["float32"], name
+    # Traced (under jit, with 64-bit integers enabled): the same answer.
+    with jax.enable_x64(True):
+        xs = {k: jnp.asarray(v, jnp.float32) for k, v in arrays.items()}
+        traced = jax.jit(lambda xs, q_ids, kv_ids: blocksparse_attention(
+            **xs, **dict(wide_options, q_segment_ids=q_ids, kv_segment_ids=kv_ids), impl="triton",
+            fwd_blocks=FWD, bwd_blocks=BWD))(xs, jnp.asarray(wide), jnp.asarray(wide + 2**40))
+        assert rel_err(traced, expected) > 0.1  # q and kv ids now differ everywhere: nothing visible
+        same = jax.jit(lambda xs, ids: blocksparse_attention(
+            **xs, **dict(wide_options, q_segment_ids=ids, kv_segment_ids=ids), impl="triton",
+            fwd_blocks=FWD, bwd_blocks=BWD))(xs, jnp.asarray(wide))
+    assert rel_err(same, expected) <= TOLERANCE["float32"]
+
+
+# ----------------------------------------------------------------------------------------------
+# A prebuilt mask with the call's own rules, and masks combined: exact, and no dense mask.
+# ----------------------------------------------------------------------------------------------
+
+
+def token_by_token_arrays(jaxpr, T, S):
+    """Shapes of every value in ``jaxpr`` (and the jaxprs inside it) with a T and an S axis."""
+    found = []
+
+    def walk(j):
+        for var in [*j.invars, *j.outvars, *j.constvars, *(v for e in j.eqns for v in e.outvars)]:
+            shape = tuple(getattr(getattr(var, "aval", None), "shape", ()))
+            if T in shape and S in shape and (T != S or shape.count(T) >= 2):
+                found.append(shape)
+        for eqn in j.eqns:
+            for param in eqn.params.values():
+                for inner in param if isinstance(param, (list, tuple)) else [param]:
+                    if isinstance(inner, jax.extend.core.ClosedJaxpr):
+                        walk(inner.jaxpr)
+                    elif isinstance(inner, jax.extend.core.Jaxpr):
+                        walk(inner)
+
+    walk(jaxpr.jaxpr)
+    return found
+
+
+def prebuilt_cases(rng, B, T):
+    """name: (mask arguments of make_block_mask, the call's rule arguments)."""
+    doc = documents(rng, B, T)
+    ids, pos = doc["q_segment_ids"], doc["q_positions"]
+    docs = dict(q_segment_ids=ids, kv_segment_ids=ids)
+    layout = strided_layout(1, T // 32, T // 32)[0]
+    return {
+        # the mask's rule implies the call's: the mask as it is
+        "causal_mask_default_causal": (dict(causal=True), dict()),
+        # causal on the documents' own positions, and on arange: two clauses
+        "documents_default_causal": (doc, dict()),
+        # one clause, merged: segment ids added to a causal mask
+        "causal_mask_with_segments": (dict(causal=True), dict(docs)),
+        # one clause, merged: a window on the call's positions, the mask has none
+        "documents_with_window": (dict(docs), dict(causal=True, sliding_window=(9, 0))),
+        # one clause, merged: the same positions (equal values), a window and causal added
+        "positions_with_window": (dict(docs, q_positions=pos, kv_positions=pos, sliding_window=(4, 4)),
+                                  dict(q_positions=pos.copy(), kv_positions=pos.copy())),
+        # a layout and a rule by "and", the call's causal on top
+        "layout_and_window_default_causal": (dict(layout=layout, layout_block=32,
+                                                  sliding_window=(5, 5)), dict()),
+        # a layout alone, the call's documents and causal
+        "layout_with_documents": (dict(layout=layout, layout_block=32), dict(doc)),
+    }
+
+
+@pytest.mark.parametrize("case", ["causal_mask_default_causal", "documents_default_causal",
+                                  "causal_mask_with_segments", "documents_with_window",
+                                  "positions_with_window", "layout_and_window_default_causal",
+                                  "layout_with_documents"])
+def test_prebuilt_mask_and_the_calls_rule(case, rng):
+    """A prebuilt BlockMask given with rules of the call's own (causal=True by default): every rule
+    holds, output and gradients equal the float64 reference and a NumPy softmax over the pairs
+    both allow, and neither the forward's nor the backward's jaxpr has a value with a T and an S
+    axis (it used to build the dense [B, H, T, S] token mask inside every call)."""
+    B, T = 2, 64
+    mask_kw, call_kw = prebuilt_cases(rng, B, T)[case]
+    mask = make_block_mask(T, T, q_block=16, kv_block=16, **mask_kw)
+    arrays = make_inputs(rng, B=B, T=T, H=4, H_kv=2)
+    options = dict(call_kw, qkv_layouts=mask)
+    out, _, _, _ = check(rng, arrays, options)
+    visible = numpy_visible(T, T, **dict(dict(causal=True), **call_kw)) & np.asarray(mask.token_mask())
+    expected = numpy_attention(**{k: np.asarray(jnp.asarray(v, jnp.float32), np.float64)
+                                  for k, v in arrays.items()}, causal=False, attention_mask=visible)
+    assert rel_err(out, expected) <= TOLERANCE["float32"]
+
+    xs = [jnp.asarray(arrays[n], jnp.float32) for n in ("query", "key", "value")]
+
+    def attend(q, k, v):
+        return blocksparse_attention(q, k, v, **options, impl="triton", fwd_blocks=FWD, bwd_blocks=BWD)
+
+    grad = jax.grad(lambda *xs: jnp.sum(attend(*xs) ** 2), argnums=(0, 1, 2))
+    for fn in (attend, grad):
+        assert token_by_token_arrays(jax.make_jaxpr(fn)(*xs), T, T) == [], fn
+
+
+@pytest.mark.parametrize("op", ["and", "or"])
+def test_combined_masks_without_a_dense_mask(op, rng):
+    """``a & b`` and ``a | b`` of two rules that do not merge (causal on two sets of positions):
+    one mask of two clauses, exact, evaluated by the kernels in partial tiles, no dense mask."""
+    B, T = 2, 64
+    doc = documents(rng, B, T)
+    shifted = dict(q_positions=doc["q_positions"] + 3, kv_positions=doc["q_positions"])
+    a = make_block_mask(T, T, q_block=16, kv_block=16, **doc)
+    b = make_block_mask(T, T, q_block=16, kv_block=16, causal=True, sliding_window=(40, 2), **shifted)
+    mask = a & b if op == "and" else a | b
+    assert mask.rule.other is not None and mask.rule.op == op
+    arrays = make_inputs(rng, B=B, T=T, H=4, H_kv=2, sinks=True)
+    options = dict(qkv_layouts=mask, causal=False)
+    out, _, _, _ = check(rng, arrays, options)
+    va = numpy_visible(T, T, **doc)
+    vb = numpy_visible(T, T, causal=True, sliding_window=(40, 2), **shifted)
+    expected = numpy_attention(**{k: np.asarray(jnp.asarray(v, jnp.float32), np.float64)
+                                  for k, v in arrays.items()}, causal=False,
+                               attention_mask=va & vb if op == "and" else va | vb)
+    assert rel_err(out, expected) <= TOLERANCE["float32"]
+    xs = [jnp.asarray(arrays[n], jnp.float32) for n in arrays]
+    grad = jax.grad(lambda *xs: jnp.sum(blocksparse_attention(
+        *xs[:3], softmax_aux=xs[3], **options, impl="triton", fwd_blocks=FWD, bwd_blocks=BWD) ** 2),
+        argnums=(0, 1, 2, 3))
+    assert token_by_token_arrays(jax.make_jaxpr(grad)(*xs), T, T) == []
+
+
+def test_prebuilt_mask_rules_that_do_not_combine(rng):
+    """Where exactness would need a dense mask, a ValueError says what to pass."""
+    T = 32
+    a = make_block_mask(T, T, q_block=16, kv_block=16, causal=True)
+    b = make_block_mask(T, T, q_block=16, kv_block=16, sliding_window=3,
+                        q_positions=np.arange(T, dtype=np.int32)[None] * 2)
+    layout_or = make_block_mask(T, T, q_block=16, kv_block=16, causal=True, combine="or",
+                                layout=np.eye(2, dtype=bool))
+    xs = {k: jnp.asarray(v, jnp.float32) for k, v in make_inputs(rng, T=T).items()}
+    ids = np.zeros((1, T), np.int32)
+    for mask in (a | b, layout_or):  # the call's default causal=True on top: three clauses / or
+        with pytest.raises(ValueError, match="causal=False"):
+            blocksparse_attention(**xs, qkv_layouts=mask, sliding_window=2, q_segment_ids=ids,
+                                  kv_segment_ids=ids, q_positions=ids + 5, kv_positions=ids)
+    out = blocksparse_attention(**xs, qkv_layouts=a | b, causal=False, impl="triton",
+                                fwd_blocks=FWD, bwd_blocks=BWD)  # as it is: fine
+    assert rel_err(out, reference(**xs, qkv_layouts=a | b, causal=False)) <= TOLERANCE["float32"]

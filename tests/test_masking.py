@@ -103,8 +103,11 @@ def check_list(count, index, kinds, kind, what):
         np.testing.assert_array_equal(index[at][:len(expected)], expected, err_msg=f"{what} {at}")
 
 
-def check_mask(mask, vis):
-    """Kinds, the four padded lists and the token mask of ``mask`` against the dense ``vis``."""
+def check_mask(mask, vis, expected_kinds=None):
+    """Kinds, the four padded lists and the token mask of ``mask`` against the dense ``vis``. The
+    kinds must be ``expected_kinds`` if given (two rules combined: the tile-by-tile combination of
+    their kinds), else exact; they must be sound anyway (listed where a pair is visible, full only
+    where every pair is)."""
     assert isinstance(mask, BlockMask)
     T, S = vis.shape[-2:]
     assert (mask.q_len, mask.kv_len) == (T, S)
@@ -112,8 +115,11 @@ def check_mask(mask, vis):
     assert kinds.dtype == np.int8
     Bm, Hm = kinds.shape[:2]
     full_shape = (max(Bm, vis.shape[0]), max(Hm, vis.shape[1]))
-    expected = brute_kinds(np.broadcast_to(vis, (*full_shape, T, S)), mask.q_block, mask.kv_block)
+    exact = brute_kinds(np.broadcast_to(vis, (*full_shape, T, S)), mask.q_block, mask.kv_block)
+    expected = exact if expected_kinds is None else np.broadcast_to(expected_kinds, exact.shape)
     np.testing.assert_array_equal(np.broadcast_to(kinds, expected.shape), expected, err_msg="kinds")
+    got = np.broadcast_to(kinds, exact.shape)
+    assert np.all((got != EMPTY) | (exact == EMPTY)) and np.all((got != FULL) | (exact == FULL))
     np.testing.assert_array_equal(np.broadcast_to(np.asarray(mask.token_mask()), (*full_shape, T, S)),
                                   np.broadcast_to(vis, (*full_shape, T, S)), err_msg="token_mask")
     transposed = kinds.swapaxes(-1, -2)
@@ -307,6 +313,22 @@ def test_builder_edge_cases(case, rng):
         assert kinds.shape[-2:] == (1, 1) and np.all(kinds == FULL)
 
 
+def test_wide_segment_ids_are_exact(rng):
+    """int64 / uint32 ids: equality decides, for any values (ids equal modulo 2**32 stay apart), and
+    positions outside the int32 dtype but inside (-2**30, 2**30) are fine as int64."""
+    T, S, bq, bk = 50, 23, 16, 4
+    rule = random_rule(rng, T, S)
+    q_ids = rule["q_segment_ids"].astype(np.int64) * 2**32 - 3 * 2**40
+    kv_ids = rule["kv_segment_ids"].astype(np.int64) * 2**32 - 3 * 2**40
+    kw = dict(rule, q_segment_ids=q_ids, kv_segment_ids=kv_ids, causal=True,
+              q_positions=rule["q_positions"].astype(np.int64))
+    mask = build_and_check(T, S, bq, bk, **kw)
+    assert mask.rule.q_segment_ids.dtype == np.int32
+    unsigned = dict(kw, q_segment_ids=rule["q_segment_ids"].astype(np.uint32) + np.uint32(2**31),
+                    kv_segment_ids=rule["kv_segment_ids"].astype(np.uint32) + np.uint32(2**31))
+    build_and_check(T, S, bq, bk, **unsigned)
+
+
 # ----------------------------------------------------------------------------------------------
 # Other block sizes, composition.
 # ----------------------------------------------------------------------------------------------
@@ -373,7 +395,7 @@ def combination_operands(rng, case, T, S, bq, bk):
         fine = layout_pattern(rng, "random", H, nq, nk)
         coarse = layout_pattern(rng, "global_local", 1, -(-T // (2 * bq)), -(-S // (4 * bk)))[0]
         return dict(layout=fine), dict(layout=coarse, layout_block=(2 * bq, 4 * bk))
-    if case == "rule_with_layout_or_layout":  # (R and L1) or L2: through the dense mask
+    if case == "rule_with_layout_or_layout":  # (R and L1) or L2: only through a dense mask
         return (dict(causal=True, layout=layout_pattern(rng, "random", 1, nq, nk)[0]),
                 dict(layout=layout_pattern(rng, "strided", H, nq, nk)))
     if case == "rule_or_layout_or_layout":  # (R or L1) or L2: one rule, one layout
@@ -386,6 +408,9 @@ def combination_operands(rng, case, T, S, bq, bk):
     raise AssertionError(case)
 
 
+# A rule joined to a layout by one operator, then to another layout by the other: exact only
+# through a dense token mask, which the package does not build behind the caller's back.
+MIXED = {("rule_with_layout_or_layout", "or"), ("rule_or_layout_or_layout", "and")}
 COMBINATIONS = ["layout_and_rule", "layout_or_rule", "rule_and_rule", "rule_or_rule", "layout_or_layout",
                 "layout_and_layout", "rule_with_layout_or_layout", "rule_or_layout_or_layout",
                 "everything_or_layout"]
@@ -394,16 +419,31 @@ COMBINATIONS = ["layout_and_rule", "layout_or_rule", "rule_and_rule", "rule_or_r
 @pytest.mark.parametrize("op", ["and", "or"])
 @pytest.mark.parametrize("case", COMBINATIONS)
 def test_intersection_and_union(case, op, rng):
+    """Exact token masks, and no dense mask built on the way: two rules become one rule of two
+    clauses (or one merged clause), whose tile kinds are the combination of the two masks' kinds."""
     T, S, bq, bk = (50, 23, 16, 4) if "rule" in case else (37, 37, 8, 16)
     kw_a, kw_b = combination_operands(rng, case, T, S, bq, bk)
     with jax.disable_jit():
         a = make_block_mask(T, S, q_block=bq, kv_block=bk, **kw_a)
         b = make_block_mask(T, S, q_block=bq, kv_block=bk, **kw_b)
+        if (case, op) in MIXED:  # (R & L1) | L2 or (R | L1) & L2: no rule and layout say it
+            with pytest.raises(ValueError, match="attention_mask=a.token_mask"):
+                intersection(a, b) if op == "and" else union(a, b)
+            return
         combined = intersection(a, b) if op == "and" else union(a, b)
         operator = (a & b) if op == "and" else (a | b)
         va, vb = brute_visible(T, S, blocks=(bq, bk), **kw_a), brute_visible(T, S, blocks=(bq, bk), **kw_b)
         expected = (va & vb) if op == "and" else (va | vb)
-        check_mask(combined, expected)
+        kinds = None
+        if combined.rule is not None and combined.rule.other is not None:
+            ka, kb = brute_kinds(va, bq, bk), brute_kinds(vb, bq, bk)
+            kinds = np.minimum(ka, kb) if op == "and" else np.maximum(ka, kb)
+        if case == "rule_and_rule":  # causal on positions arange and on the given ones: two clauses
+            assert combined.rule.other is not None and combined.rule.op == op
+        if case == "rule_or_rule":  # the token mask goes to the first clause (or merges, for and)
+            assert combined.rule.attention_mask is not None
+            assert (combined.rule.other is not None) == (op == "or")
+        check_mask(combined, expected, kinds)
         for x, y in zip(mask_arrays(combined), mask_arrays(operator)):
             np.testing.assert_array_equal(x, y)
 
@@ -516,6 +556,9 @@ BAD_INPUTS = [
     ("attention_mask", dict(attention_mask=np.ones((1, 1, 16, 24), np.float32))),
     ("batch", dict(q_segment_ids=IDS_T, kv_segment_ids=np.zeros((3, 24), np.int32))),
     ("q_len", dict(q_len=-1)),
+    ("q_positions", dict(q_positions=np.full((B, 16), 2**30, np.int64), causal=True)),
+    ("kv_positions", dict(kv_positions=np.full((B, 24), -2**31, np.int64), sliding_window=3)),
+    ("q_segment_ids", dict(q_segment_ids=np.zeros((B, 16), bool), kv_segment_ids=IDS_S)),
 ]
 
 
@@ -525,3 +568,29 @@ def test_bad_input_names_the_argument(name, kwargs):
     q_len, kv_len = kwargs.pop("q_len"), kwargs.pop("kv_len")
     with pytest.raises(ValueError, match=name):
         make_block_mask(q_len, kv_len, **kwargs)
+
+
+def test_rules_combine_into_at_most_two_clauses(rng):
+    """A rule that implies the other is kept as it is; compatible rules merge into one clause; two
+    clauses is the most the kernels evaluate: a third is a ValueError naming the dense way."""
+    T, S, bq, bk = 37, 37, 8, 16
+    kw = random_rule(rng, T, S)
+    with jax.disable_jit():
+        docs = make_block_mask(T, S, q_block=bq, kv_block=bk, causal=True, **kw)
+        same = make_block_mask(T, S, q_block=bq, kv_block=bk, causal=True, **kw)
+        window = make_block_mask(T, S, q_block=bq, kv_block=bk, sliding_window=(2, 2),
+                                 q_positions=kw["q_positions"], kv_positions=kw["kv_positions"])
+        causal = make_block_mask(T, S, q_block=bq, kv_block=bk, causal=True)
+        shifted = make_block_mask(T, S, q_block=bq, kv_block=bk, sliding_window=(5, 0),
+                                  q_positions=kw["q_positions"] + 1, kv_positions=kw["kv_positions"])
+        assert (docs & same).rule.other is None and (docs | same).rule.other is None
+        merged = (docs & window).rule  # the same positions (equal values): one clause
+        assert merged.other is None and merged.causal and merged.window == (2, 2)
+        check_mask(docs & window, brute_visible(T, S, causal=True, sliding_window=(2, 2), **kw))
+        two = docs & causal  # causal on two sets of positions: two clauses
+        assert two.rule.other is not None
+        assert ((two & docs).rule.other is not None) and (two & docs).rule.own.q_segment_ids is not None
+        with pytest.raises(ValueError, match="attention_mask=a.token_mask"):
+            two & shifted
+        with pytest.raises(ValueError, match="attention_mask=a.token_mask"):
+            (docs | causal) & shifted
