@@ -49,7 +49,7 @@ import triton
 import triton.language as tl
 from jax import Array
 
-from ejk_lite.launch import triton_call, vmap_sequentially
+from ejk_lite.launch import triton_call
 from ejk_lite.masking import (EMPTY, BlockMask, TokenRule, _build, _check_block, _check_layout,
                               check_block_mask, combine_rules, dense_mask, restrict, token_rule)
 
@@ -762,27 +762,105 @@ def _visited_tokens(mask: BlockMask) -> Array:
 
 
 # ----------------------------------------------------------------------------------------------
+# vmap: mapped axes folded into the batch axis, one launch for all.
+# ----------------------------------------------------------------------------------------------
+
+# How each launcher argument meets a batch: "dense" arrays have exactly the batch (q, k, v and
+# the backward's do, lse, delta); "shared" ones 1 (every row) or the batch (the token rule, the
+# bias, the mask's arrays); "head" ones none (the sinks, one per head).
+_FWD_ARGS = ("dense",) * 3 + ("head", "shared", "shared", "shared")
+_BWD_ARGS = ("dense",) * 6 + ("shared", "shared", "shared")
+
+
+class _NoFold(Exception):
+    """Folding this call would copy a [T, S] array or give the sinks a batch axis."""
+
+
+def _fold(n: int, in_batched, args, kinds) -> list:
+    """The arguments with the mapped axis (size ``n``, leading) folded into the batch axis."""
+    q, q_batched = args[0], in_batched[0]
+    B = q.shape[1] if q_batched else q.shape[0]
+    T, S = q.shape[-2], args[1].shape[-2]
+
+    def fold(kind, x, batched):
+        if kind == "head":
+            if batched:
+                raise _NoFold
+            return x
+        one = x[0] if batched else x  # an element's shape
+        if kind == "shared" and not batched and one.shape[0] == 1:
+            return x  # one row serves every folded row
+        if batched and (kind == "dense" or one.shape[0] == B):
+            return x.reshape(n * one.shape[0], *one.shape[1:])  # free: the axes are adjacent
+        if kind == "shared" and one.ndim == 4 and one.shape[-2:] == (T, S):
+            raise _NoFold  # a bias or token mask copied n (or B) times: not worth one launch
+        x = jnp.broadcast_to(x if batched else x[None], (n, B, *one.shape[1:]))
+        return x.reshape(n * B, *one.shape[1:])
+
+    return [jax.tree_util.tree_map(functools.partial(fold, kind), arg, flags)
+            for kind, arg, flags in zip(kinds, args, in_batched)]
+
+
+def _vmap_folding(launch: Callable, kinds: tuple[str, ...]) -> Callable:
+    """``launch`` (a launcher, whose outputs have the batch axis first) with a batching rule: the
+    mapped axis is folded into the batch axis (``[N, B, ...]`` -> ``[N * B, ...]``, broadcasting
+    what is not mapped), one launch for all, and the outputs unfolded. The rule calls the batched
+    function itself, so nested ``vmap`` folds every axis, one after the other. Where folding would
+    copy a ``[T, S]`` array, or the sinks are mapped, it launches once per element (``lax.map``)."""
+
+    @jax.custom_batching.custom_vmap
+    def batched_launch(*args):
+        return launch(*args)
+
+    @batched_launch.def_vmap
+    def rule(axis_size, in_batched, *args):
+        try:
+            folded = _fold(axis_size, in_batched, args, kinds)
+        except _NoFold:
+            leaves, tree = jax.tree_util.tree_flatten(args)
+            flags = jax.tree_util.tree_leaves(in_batched)
+
+            def one(mapped):
+                it = iter(mapped)
+                merged = [next(it) if flag else leaf for leaf, flag in zip(leaves, flags)]
+                return batched_launch(*jax.tree_util.tree_unflatten(tree, merged))
+
+            out = jax.lax.map(one, [leaf for leaf, flag in zip(leaves, flags) if flag])
+        else:
+            def unfold(x):  # a placeholder output of shape (1,) stays one per element
+                return jnp.broadcast_to(x, (axis_size, 1)) if x.shape == (1,) else \
+                    x.reshape(axis_size, x.shape[0] // axis_size, *x.shape[1:])
+
+            out = jax.tree_util.tree_map(unfold, batched_launch(*folded))
+        return out, jax.tree_util.tree_map(lambda _: True, out)
+
+    return batched_launch
+
+
+# ----------------------------------------------------------------------------------------------
 # The differentiable op: one custom_vjp around the launchers.
 # ----------------------------------------------------------------------------------------------
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attention(static, q, k, v, sinks, bias, rule, fwd_mask, bwd_masks):
-    o, _ = vmap_sequentially(functools.partial(_fwd, static))(q, k, v, sinks, bias, rule, fwd_mask)
+    o, _ = _vmap_folding(functools.partial(_fwd, static), _FWD_ARGS)(
+        q, k, v, sinks, bias, rule, fwd_mask)
     return o
 
 
 def _attention_fwd(static, q, k, v, sinks, bias, rule, fwd_mask, bwd_masks):
-    o, lse = vmap_sequentially(functools.partial(_fwd, static))(q, k, v, sinks, bias, rule, fwd_mask)
+    o, lse = _vmap_folding(functools.partial(_fwd, static), _FWD_ARGS)(
+        q, k, v, sinks, bias, rule, fwd_mask)
     return o, (q, k, v, sinks, bias, rule, bwd_masks, o, lse)
 
 
 def _attention_bwd(static, residuals, do):
     q, k, v, sinks, bias, rule, (dkv_mask, dq_mask), o, lse = residuals
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)  # rowsum(dO * O)
-    dk, dv = vmap_sequentially(functools.partial(_bwd_dkv, static))(
+    dk, dv = _vmap_folding(functools.partial(_bwd_dkv, static), _BWD_ARGS)(
         q, k, v, do, lse, delta, bias, rule, dkv_mask)
-    dq, dlogits = vmap_sequentially(functools.partial(_bwd_dq, static))(
+    dq, dlogits = _vmap_folding(functools.partial(_bwd_dq, static), _BWD_ARGS)(
         q, k, v, do, lse, delta, bias, rule, dq_mask)
     dsinks = dbias = None
     if sinks is not None:  # dL/dsink_h = -sum_i exp(sink_h - lse_i) delta_i
@@ -1052,8 +1130,8 @@ def _run(static: _Static, layout_block, combine, query, key, value, softmax_aux,
     masks = {}  # one mask per distinct tile shape (the backward's kernels may use other sizes)
     for blocks in (static.fwd, static.dkv, static.dq):
         tile = (blocks.block_q, blocks.block_kv)
-        if tile not in masks:
-            masks[tile] = mask_at(blocks)
+        if tile not in masks:  # the kernels read the kinds and lists only (and a vmap folds them)
+            masks[tile] = dataclasses.replace(mask_at(blocks), rule=None, layout=None)
     fwd_mask, dkv_mask, dq_mask = (masks[(b.block_q, b.block_kv)] for b in (static.fwd, static.dkv, static.dq))
     return _attention(static, query, key, value, softmax_aux, bias, rule, fwd_mask, (dkv_mask, dq_mask))
 
@@ -1118,8 +1196,9 @@ def blocksparse_attention(
     passes no gradient). Keys a row cannot see do not exist for it: a NaN in ``q``, ``k`` or ``v``
     makes NaN exactly the output rows that see it (the row's own ``q``: that row), and, for a
     finite cotangent, reaches a gradient only through visible pairs, as autodiff of softmax
-    attention over the visible keys alone would (an inf may give inf or NaN there). Returns
-    ``[B, Hq, T, Dv]`` in the query's dtype.
+    attention over the visible keys alone would (an inf may give inf or NaN there). Composes with
+    ``jit``, ``grad`` and ``vmap``, nested too: mapped axes fold into the batch axis, one launch.
+    Returns ``[B, Hq, T, Dv]`` in the query's dtype.
     """
     if impl not in ("auto", "triton", "xla"):
         raise ValueError(f"impl must be 'auto', 'triton' or 'xla', got {impl!r}")

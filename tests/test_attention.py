@@ -667,3 +667,48 @@ def test_prebuilt_mask_rules_that_do_not_combine(rng):
     out = blocksparse_attention(**xs, qkv_layouts=a | b, causal=False, impl="triton",
                                 fwd_blocks=FWD, bwd_blocks=BWD)  # as it is: fine
     assert rel_err(out, reference(**xs, qkv_layouts=a | b, causal=False)) <= TOLERANCE["float32"]
+
+
+@pytest.mark.parametrize("case", ["documents", "bias_and_sinks"])
+def test_nested_vmap_and_grad(case, rng):
+    """vmap of vmap (two mapped axes), forward and every gradient, against the float64 reference
+    mapped the same way. Mapped axes fold into the batch axis (one launch); the second case maps a
+    [1, H, T, S] bias along one axis with B = 2, which the rule launches once per element instead
+    of copying it B times, and shares the sinks."""
+    N1, N2, B, H, H_kv, T = 2, 3, 2, 4, 2, 40
+    shape = lambda *lead, last: (*lead, B, last[0], T, last[1])  # noqa: E731
+    q = rng.normal(size=shape(N1, N2, last=(H, 16)))
+    k = rng.normal(size=shape(N2, last=(H_kv, 16)))  # mapped along the inner axis only
+    v = rng.normal(size=shape(N1, N2, last=(H_kv, 16)))
+    if case == "documents":
+        ids = np.stack([documents(rng, B, T)["q_segment_ids"] for _ in range(N1)])  # outer axis only
+        extra, extra_axes = (ids,), (0,)
+        options = lambda ids: dict(q_segment_ids=ids, kv_segment_ids=ids, causal=True)  # noqa: E731
+    else:
+        bias = rng.normal(size=(N1, 1, H, T, T))  # outer axis only
+        sinks = rng.normal(size=(H,))
+        extra, extra_axes = (bias, sinks), (0, None)
+        options = lambda bias, sinks: dict(bias=bias, softmax_aux=sinks, causal=True)  # noqa: E731
+
+    def loss(fn, q, k, v, *extra, **kw):
+        o = fn(q, k, v, **options(*extra), **kw)
+        return jnp.sum(o * jnp.cos(o)), o
+
+    def nested(fn, dtype, **kw):
+        inner = jax.vmap(jax.value_and_grad(functools.partial(loss, fn, **kw), argnums=(0, 1, 2),
+                                            has_aux=True),
+                         in_axes=(0, 0, 0) + (None,) * len(extra))
+        outer = jax.vmap(inner, in_axes=(0, None, 0) + extra_axes)
+        xs = [jnp.asarray(x, dtype) for x in (q, k, v)]
+        more = [jnp.asarray(x) if np.issubdtype(np.asarray(x).dtype, np.integer) else jnp.asarray(x, dtype)
+                for x in extra]
+        (_, out), grads = outer(*xs, *more)
+        return out, grads
+
+    out, grads = nested(blocksparse_attention, jnp.float32, impl="triton", fwd_blocks=FWD, bwd_blocks=BWD)
+    with jax.enable_x64(True):
+        ref, ref_grads = nested(reference, jnp.float64)
+    assert out.shape == (N1, N2, B, H, T, 16)
+    assert rel_err(out, ref) <= TOLERANCE["float32"]
+    for got, want in zip(grads, ref_grads):
+        assert rel_err(got, want) <= TOLERANCE["float32"]
