@@ -68,11 +68,11 @@ class BlockSizes:
 
     ``float32_dot`` is how a float32 ``tl.dot`` multiplies (Triton's ``input_precision``):
     ``"tf32x3"``, three TF32 tensor-core products that keep float32 accuracy, or ``"ieee"``, plain
-    FMAs without tensor cores. H100, float32, B2 Hq16 Hkv4 T2000 D128 causal, each in a fresh
-    process (bench/attention_fp32.py): tf32x3 vs ieee,
-    first forward 8.0 s vs 17.0 s, first gradient 13.6 s vs 77.5 s, warm forward 2.4 ms vs 62 ms,
-    warm gradient 11.7 ms vs 380 ms, relative error against float64 4.5e-7 / 8e-7 (forward /
-    gradients) vs 4.5e-7 / 1.7e-6.
+    FMAs without tensor cores. ``bench/attention_fp32.py`` measures both (cold and warm, each in a
+    fresh process; ``bench/results/attention_fp32.json``). The first probe, H100, float32, B2 Hq16
+    Hkv4 T2000 D128 causal, tf32x3 vs ieee: first forward 8.0 s vs 17.0 s, first gradient 13.6 s
+    vs 77.5 s, warm forward 2.4 ms vs 62 ms, warm gradient 11.7 ms vs 380 ms, relative error
+    against float64 4.5e-7 / 8e-7 (forward / gradients) vs 4.5e-7 / 1.7e-6.
     """
 
     block_q: int
