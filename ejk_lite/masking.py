@@ -712,6 +712,8 @@ def _implies(a: TokenRule, b: TokenRule) -> bool:
     if a.other is not None:
         own, other = _implies(a.own, b), _implies(a.other, b)
         return (own or other) if a.op == "and" else (own and other)
+    if b.attention_mask is not None and not _same(a.attention_mask, b.attention_mask):
+        return False  # (and no [T, S] work to find it out)
     merged = _merge_and(a, b)
     return (merged is not None and merged.causal == a.causal and merged.window == a.window
             and all(getattr(merged, f) is getattr(a, f) for f in _ARRAY_FIELDS))
@@ -886,6 +888,8 @@ def _check_rule_shapes(rule: TokenRule, name: str, batch: int, heads: int, T: in
                            or am.shape[1] not in (1, heads) or tuple(am.shape[2:]) != (T, S)):
         raise ValueError(f"{name}.attention_mask must have shape [1 or {batch}, 1 or {heads}, "
                          f"{T}, {S}], got {list(am.shape)}")
+    if rule.other is not None:
+        _check_rule_shapes(rule.other, f"{name}.other", batch, heads, T, S)
 
 
 def _check_mask_values(mask: BlockMask, name: str) -> None:
