@@ -1,4 +1,4 @@
-"""Block-sparse attention: FlashAttention-2 forward and backward that visit only the tiles a block mask lists.
+"""Block-sparse attention: a FlashAttention-2 forward and backward that visit only listed tiles.
 
 For a query row ``i`` of head ``h`` (Dao 2023, "FlashAttention-2")::
 
@@ -98,7 +98,8 @@ class BlockSizes:
         """Defaults measured on an H100 (bench/attention.py); float32 tiles are twice the bytes, so
         smaller (at 128 x 64 with three stages they overflow shared memory)."""
         if jnp.dtype(dtype).itemsize >= 4:
-            return BlockSizes(64, 64, num_warps=4, num_stages=2) if head_dim <= 128 else BlockSizes(32, 32, 4, 1)
+            return (BlockSizes(64, 64, num_warps=4, num_stages=2) if head_dim <= 128
+                    else BlockSizes(32, 32, 4, 1))
         if head_dim <= 64:
             return BlockSizes(128, 64, num_warps=4, num_stages=3)
         if head_dim <= 128:  # H100, B4 H16 T8192, same run: causal 2.93 ms (128 x 64, 3 stages:
@@ -110,19 +111,21 @@ class BlockSizes:
     def backward(head_dim: int, dtype: Any = jnp.bfloat16) -> BlockSizes:
         """One config for both backward kernels (``bwd_blocks`` also takes a pair ``(dkv, dq)``)."""
         if jnp.dtype(dtype).itemsize >= 4:
-            return BlockSizes(64, 64, num_warps=4, num_stages=1) if head_dim <= 128 else BlockSizes(32, 32, 4, 1)
+            return (BlockSizes(64, 64, num_warps=4, num_stages=1) if head_dim <= 128
+                    else BlockSizes(32, 32, 4, 1))
         if head_dim <= 64:
             return BlockSizes(64, 64, num_warps=4, num_stages=2)
         if head_dim <= 128:  # H100, B4 H16 T8192 causal: 4 warps 10.9 ms fwd+bwd, 8 warps 19.0 ms;
             # each kernel alone at its own tiles, dK/dV: 64 x 64 4.86 ms, 32 x 64 7.36, 32 x 128
-            # (FlashAttention-2's Triton tutorial's shape) 7.85-16.9; dQ: 64 x 64 3.47, 128 x 32 4.34
+            # (FlashAttention-2's Triton tutorial's shape) 7.85-16.9; dQ: 64 x 64 3.47,
+            # 128 x 32 4.34
             return BlockSizes(64, 64, num_warps=4, num_stages=2)
         return BlockSizes(32, 32, num_warps=4, num_stages=1)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Static:
-    """Everything the kernels are specialised on (hashable: a custom_vjp non-differentiable argument)."""
+    """Everything the kernels are specialised on (hashable: custom_vjp's non-differentiable arg)."""
 
     scale: float
     soft_cap: float | None
@@ -398,7 +401,7 @@ def _bwd_tile(q, k, v, do, lse, delta, offs_m, offs_n, q_seg, q_pos, ids_base, s
               HAS_SEGMENTS2: tl.constexpr, IS_CAUSAL2: tl.constexpr, HAS_WINDOW2: tl.constexpr,
               HAS_BIAS: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
               EVEN_S: tl.constexpr):
-    """One tile of the backward: ``p``, ``ds`` = dL/d(final logit) and the same before the soft cap."""
+    """One tile of the backward: ``p``, ``ds`` = dL/d(final logit), and the same before the cap."""
     s, t = _logits(q, k, offs_m, offs_n, bias_base, stride_bt, stride_bs, SCALE, SOFT_CAP, T, S,
                    USE_SOFTCAP, HAS_BIAS, DOT_PRECISION)
     visible = _visible(offs_m, offs_n, q_seg, q_pos, ids_base, stride_kind, mask_base,
@@ -511,7 +514,8 @@ def _attention_dkv_kernel(
     for g in range(G):  # the query heads this key/value head serves
         i_h = i_kvh * G + g
         i_bh64 = (i_b * H + i_h).to(tl.int64)
-        mask_base = token_mask_ptr + i_b.to(tl.int64) * stride_mask_b + i_h.to(tl.int64) * stride_mask_h
+        mask_base = (token_mask_ptr + i_b.to(tl.int64) * stride_mask_b
+                     + i_h.to(tl.int64) * stride_mask_h)
         bias_base = bias_ptr + i_b.to(tl.int64) * stride_bb + i_h.to(tl.int64) * stride_bh
         col = (i_b * stride_bm_b + i_h * stride_bm_h) * n_kv_blocks + i_n
         n_partial = _clamp(tl.load(t_partial_count_ptr + col), n_q_blocks)
@@ -561,7 +565,7 @@ def _dq_tiles(dq, q, do, lse, delta, offs_m, q_seg, q_pos, list_ptr, count, n_bl
                                  SCALE, SOFT_CAP, MASKED, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW,
                                  HAS_TOKEN_MASK, CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2,
                                  HAS_BIAS, USE_SOFTCAP, DOT_PRECISION, EVEN_S)
-        if HAS_BIAS:  # dbias is ds itself; [B, H, T, S] fp32, tiles never visited are zeroed outside
+        if HAS_BIAS:  # dbias is ds itself; [B, H, T, S] fp32, unvisited tiles are zeroed outside
             ptrs = dbias_base + offs_m.to(tl.int64)[:, None] * S + offs_n[None, :]
             tl.store(ptrs, ds, mask=(offs_m < T)[:, None] & (offs_n < S)[None, :])
         if MASKED:  # a NaN k row that a query cannot see must not reach dQ as 0 * NaN
@@ -660,7 +664,8 @@ def _rule_operands(rule: TokenRule | None, B: int, T: int, S: int) -> tuple[list
     else:
         am = rule.attention_mask
         token_mask = am.astype(jnp.int8)
-        mask_strides = [0 if am.shape[0] == 1 else am.shape[1] * T * S, 0 if am.shape[1] == 1 else T * S]
+        mask_strides = [0 if am.shape[0] == 1 else am.shape[1] * T * S,
+                        0 if am.shape[1] == 1 else T * S]
     return [ids, token_mask], [0 if ids_batch == 1 else n_ids, ids_batch * n_ids, *mask_strides]
 
 
@@ -711,7 +716,8 @@ def _common(static: _Static, q, k, v, bias, rule, mask: BlockMask, blocks: Block
 
 
 def _fwd(static: _Static, q, k, v, sinks, bias, rule, mask: BlockMask):
-    """Forward launch: ``o`` ``[B, Hq, T, Dv]`` (query dtype) and ``lse`` ``[B, Hq, T]`` fp32, base 2."""
+    """Forward launch: ``o`` ``[B, Hq, T, Dv]`` (query dtype) and ``lse`` ``[B, Hq, T]`` (fp32,
+    base 2)."""
     B, H, T, _ = q.shape
     DV = v.shape[3]
     rule_args, scalars, meta = _common(static, q, k, v, bias, rule, mask, static.fwd)
@@ -720,7 +726,8 @@ def _fwd(static: _Static, q, k, v, sinks, bias, rule, mask: BlockMask):
         q, k, v, *rule_args, sink_arg, mask.partial_count, mask.partial_index, mask.full_count,
         mask.full_index, *scalars,
         kernel=_attention_fwd_kernel,
-        out_shape=[jax.ShapeDtypeStruct((B, H, T, DV), q.dtype), jax.ShapeDtypeStruct((B, H, T), jnp.float32)],
+        out_shape=[jax.ShapeDtypeStruct((B, H, T, DV), q.dtype),
+                   jax.ShapeDtypeStruct((B, H, T), jnp.float32)],
         grid=(mask.kinds.shape[2], B * H), HAS_SINKS=sinks is not None, **meta,
     )
 
@@ -734,7 +741,8 @@ def _bwd_dkv(static: _Static, q, k, v, do, lse, delta, bias, rule, mask: BlockMa
         q, k, v, do, lse, delta, *rule_args, mask.t_partial_count, mask.t_partial_index,
         mask.t_full_count, mask.t_full_index, *scalars,
         kernel=_attention_dkv_kernel,
-        out_shape=[jax.ShapeDtypeStruct((B, H_kv, S, D), k.dtype), jax.ShapeDtypeStruct((B, H_kv, S, DV), v.dtype)],
+        out_shape=[jax.ShapeDtypeStruct((B, H_kv, S, D), k.dtype),
+                   jax.ShapeDtypeStruct((B, H_kv, S, DV), v.dtype)],
         grid=(mask.kinds.shape[3], B * H_kv), **meta,
     )
 
@@ -746,16 +754,17 @@ def _bwd_dq(static: _Static, q, k, v, do, lse, delta, bias, rule, mask: BlockMas
     rule_args, scalars, meta = _common(static, q, k, v, bias, rule, mask, static.dq)
     dbias_shape = (B, H, T, S) if bias is not None else (1,)
     return triton_call(
-        q, k, v, do, lse, delta, *rule_args, mask.partial_count, mask.partial_index, mask.full_count,
-        mask.full_index, *scalars,
+        q, k, v, do, lse, delta, *rule_args, mask.partial_count, mask.partial_index,
+        mask.full_count, mask.full_index, *scalars,
         kernel=_attention_dq_kernel,
-        out_shape=[jax.ShapeDtypeStruct((B, H, T, D), q.dtype), jax.ShapeDtypeStruct(dbias_shape, jnp.float32)],
+        out_shape=[jax.ShapeDtypeStruct((B, H, T, D), q.dtype),
+                   jax.ShapeDtypeStruct(dbias_shape, jnp.float32)],
         grid=(mask.kinds.shape[2], B * H), **meta,
     )
 
 
 def _visited_tokens(mask: BlockMask) -> Array:
-    """``[Bm, Hm, T, S]`` bool: pairs inside visited tiles (the dQ kernel writes dbias only there)."""
+    """``[Bm, Hm, T, S]`` bool: pairs in visited tiles (the dQ kernel writes dbias only there)."""
     tiles = mask.kinds != EMPTY
     rows = jnp.repeat(tiles, mask.q_block, axis=2)[:, :, :mask.q_len]
     return jnp.repeat(rows, mask.kv_block, axis=3)[..., :mask.kv_len]
@@ -867,7 +876,7 @@ def _attention_bwd(static, residuals, do):
         p_sink = jnp.exp2(sinks.astype(jnp.float32)[:, None] * LOG2E.value - lse)
         dsinks = (-jnp.sum(p_sink * delta, axis=(0, 2))).astype(sinks.dtype)
     if bias is not None:  # the public function made bias 4-D; sum over its broadcast axes
-        dlogits = jnp.where(_visited_tokens(dq_mask), dlogits, 0.0)  # tiles never visited: never written
+        dlogits = jnp.where(_visited_tokens(dq_mask), dlogits, 0.0)  # unvisited: never written
         axes = tuple(i for i in range(4) if bias.shape[i] == 1 and dlogits.shape[i] != 1)
         dbias = jnp.sum(dlogits, axis=axes, keepdims=True).astype(bias.dtype)
     return dq, dk, dv, dsinks, dbias, None, None, None
@@ -909,10 +918,12 @@ def _check_inputs(query, key, value, softmax_aux, bias, logits_soft_cap, softmax
                          f"{key.dtype} and {value.dtype}: cast them to one")
     B, H, T, D = query.shape
     if key.shape[0] != B or value.shape[0] != B:
-        raise ValueError(f"key and value must have the query's batch {B}, got {key.shape[0]} and {value.shape[0]}")
+        raise ValueError(f"key and value must have the query's batch {B}, got {key.shape[0]} and "
+                         f"{value.shape[0]}")
     H_kv, S = key.shape[1], key.shape[2]
     if tuple(value.shape[:3]) != (B, H_kv, S):
-        raise ValueError(f"value must have shape [batch, kv_heads, kv_len, value_dim] = [{B}, {H_kv}, {S}, *], "
+        raise ValueError(f"value must have shape [batch, kv_heads, kv_len, value_dim] = "
+                         f"[{B}, {H_kv}, {S}, *], "
                          f"got {tuple(value.shape)}")
     if key.shape[3] != D:
         raise ValueError(f"key must have the query's head dim {D}, got {key.shape[3]}")
@@ -921,7 +932,8 @@ def _check_inputs(query, key, value, softmax_aux, bias, logits_soft_cap, softmax
     if D == 0 or value.shape[3] == 0:
         raise ValueError(f"head dims must be >= 1, got query/key {D} and value {value.shape[3]}")
     if softmax_aux is not None:
-        if getattr(softmax_aux, "shape", None) != (H,) or not jnp.issubdtype(softmax_aux.dtype, jnp.floating):
+        if (getattr(softmax_aux, "shape", None) != (H,)
+                or not jnp.issubdtype(softmax_aux.dtype, jnp.floating)):
             raise ValueError(f"softmax_aux must be a float array [num_heads] = [{H}], "
                              f"got {getattr(softmax_aux, 'shape', None)}")
     if bias is not None:
@@ -932,7 +944,8 @@ def _check_inputs(query, key, value, softmax_aux, bias, logits_soft_cap, softmax
         full = (B, H, T, S)
         padded = (1,) * (4 - len(shape)) + shape
         if len(shape) > 4 or any(b not in (1, f) for b, f in zip(padded, full)):
-            raise ValueError(f"bias must broadcast to [batch, heads, q_len, kv_len] = {list(full)}, got {list(shape)}")
+            raise ValueError(f"bias must broadcast to [batch, heads, q_len, kv_len] = "
+                             f"{list(full)}, got {list(shape)}")
         if not jnp.issubdtype(bias.dtype, jnp.floating):
             raise ValueError(f"bias must have a floating dtype, got {bias.dtype}")
     if logits_soft_cap is not None:
@@ -951,18 +964,20 @@ class _MaskSpec:
     extra: TokenRule | None = None  # ... with this rule of the call's added (None: as it is)
 
 
-def _mask_spec(B, H, T, S, q_segment_ids, kv_segment_ids, q_positions, kv_positions, attention_mask,
-               qkv_layouts, mask_builder, sliding_window, chunk_size, causal, default_block) -> _MaskSpec:
+def _mask_spec(B, H, T, S, q_segment_ids, kv_segment_ids, q_positions, kv_positions,
+               attention_mask, qkv_layouts, mask_builder, sliding_window, chunk_size, causal,
+               default_block) -> _MaskSpec:
     """The token rule and block layout a call describes (every rule given must hold)."""
     rule = token_rule(T, S, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                       q_positions=q_positions, kv_positions=kv_positions, causal=causal,
-                      sliding_window=sliding_window, attention_mask=attention_mask, batch=B, heads=H)
+                      sliding_window=sliding_window, attention_mask=attention_mask, batch=B,
+                      heads=H)
     if qkv_layouts is not None and mask_builder is not None:
         raise ValueError("give qkv_layouts or mask_builder, not both")
     if mask_builder is not None:
         if not callable(mask_builder):
-            raise ValueError(f"mask_builder must be a callable returning a BlockMask or a block layout, "
-                             f"got {type(mask_builder).__name__}")
+            raise ValueError(f"mask_builder must be a callable returning a BlockMask or a block "
+                             f"layout, got {type(mask_builder).__name__}")
         qkv_layouts = mask_builder()
     if qkv_layouts is None:
         return _MaskSpec(rule, None, None, "and")
@@ -1027,7 +1042,7 @@ def _reference_spec(query, key, value, softmax_aux, bias, spec: _MaskSpec, scale
     def non_finite_rows(x):
         return ~jnp.all(jnp.isfinite(x), axis=-1)
 
-    exact = jax.lax.Precision.HIGHEST  # not TF32: on a GPU XLA rounds float32 matmul inputs by default
+    exact = jax.lax.Precision.HIGHEST  # not TF32: on a GPU, XLA rounds float32 matmul inputs so
     s = jnp.einsum("bhtd,bhsd->bhts", _finite_part(q), _finite_part(k), precision=exact) * scale
     if logits_soft_cap is not None:
         s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
@@ -1056,9 +1071,9 @@ def _reference_spec(query, key, value, softmax_aux, bias, spec: _MaskSpec, scale
     return (o + jnp.sum(p * v_nan, axis=-1)[..., None]).astype(query.dtype)
 
 
-def _prepare(query, key, value, q_segment_ids, kv_segment_ids, q_positions, kv_positions, softmax_aux, bias,
-             attention_mask, logits_soft_cap, qkv_layouts, softmax_scale, mask_builder, sliding_window,
-             chunk_size, causal, default_block):
+def _prepare(query, key, value, q_segment_ids, kv_segment_ids, q_positions, kv_positions,
+             softmax_aux, bias, attention_mask, logits_soft_cap, qkv_layouts, softmax_scale,
+             mask_builder, sliding_window, chunk_size, causal, default_block):
     if (isinstance(bias, (int, float, np.integer, np.floating))
             and not isinstance(bias, (bool, np.bool_))):
         # A number broadcasts like a 0-d array (as in NumPy); with sinks it even matters.
@@ -1066,8 +1081,9 @@ def _prepare(query, key, value, q_segment_ids, kv_segment_ids, q_positions, kv_p
     _check_inputs(query, key, value, softmax_aux, bias, logits_soft_cap, softmax_scale)
     B, H, T, D = query.shape
     S = key.shape[2]
-    spec = _mask_spec(B, H, T, S, q_segment_ids, kv_segment_ids, q_positions, kv_positions, attention_mask,
-                      qkv_layouts, mask_builder, sliding_window, chunk_size, causal, default_block)
+    spec = _mask_spec(B, H, T, S, q_segment_ids, kv_segment_ids, q_positions, kv_positions,
+                      attention_mask, qkv_layouts, mask_builder, sliding_window, chunk_size, causal,
+                      default_block)
     scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
     if bias is not None:
         bias = jnp.asarray(bias).reshape((1,) * (4 - jnp.ndim(bias)) + tuple(jnp.shape(bias)))
@@ -1077,17 +1093,19 @@ def _prepare(query, key, value, q_segment_ids, kv_segment_ids, q_positions, kv_p
 
 def reference(query: Array, key: Array, value: Array, q_segment_ids: Array | None = None,
               kv_segment_ids: Array | None = None, q_positions: Array | None = None,
-              kv_positions: Array | None = None, softmax_aux: Array | None = None, bias: Array | None = None,
-              attention_mask: Array | None = None, logits_soft_cap: float | None = None, qkv_layouts: Any = None,
+              kv_positions: Array | None = None, softmax_aux: Array | None = None,
+              bias: Array | None = None, attention_mask: Array | None = None,
+              logits_soft_cap: float | None = None, qkv_layouts: Any = None,
               softmax_scale: float | None = None, mask_builder: Callable[[], Any] | None = None,
               sliding_window: int | tuple[int, int] | None = None, chunk_size: int | None = None,
               causal: bool = True) -> Array:
-    """Dense attention in plain JAX with :func:`blocksparse_attention`'s semantics (float32, or float64
-    for float64 inputs). Memory ``B x Hq x T x S``: for tests, small shapes and ``impl="xla"``."""
+    """Dense attention in plain JAX with :func:`blocksparse_attention`'s semantics (float32, or
+    float64 for float64 inputs). Memory ``B x Hq x T x S``: for tests, small shapes and
+    ``impl="xla"``."""
     spec, scale, bias, cap = _prepare(query, key, value, q_segment_ids, kv_segment_ids, q_positions,
-                                      kv_positions, softmax_aux, bias, attention_mask, logits_soft_cap,
-                                      qkv_layouts, softmax_scale, mask_builder, sliding_window, chunk_size,
-                                      causal, (128, 128))
+                                      kv_positions, softmax_aux, bias, attention_mask,
+                                      logits_soft_cap, qkv_layouts, softmax_scale, mask_builder,
+                                      sliding_window, chunk_size, causal, (128, 128))
     return _reference_spec(query, key, value, softmax_aux, bias, spec, scale, cap)
 
 
@@ -1132,8 +1150,10 @@ def _run(static: _Static, layout_block, combine, query, key, value, softmax_aux,
         tile = (blocks.block_q, blocks.block_kv)
         if tile not in masks:  # the kernels read the kinds and lists only (and a vmap folds them)
             masks[tile] = dataclasses.replace(mask_at(blocks), rule=None, layout=None)
-    fwd_mask, dkv_mask, dq_mask = (masks[(b.block_q, b.block_kv)] for b in (static.fwd, static.dkv, static.dq))
-    return _attention(static, query, key, value, softmax_aux, bias, rule, fwd_mask, (dkv_mask, dq_mask))
+    fwd_mask, dkv_mask, dq_mask = (masks[(b.block_q, b.block_kv)]
+                                   for b in (static.fwd, static.dkv, static.dq))
+    return _attention(static, query, key, value, softmax_aux, bias, rule, fwd_mask,
+                      (dkv_mask, dq_mask))
 
 
 def blocksparse_attention(
@@ -1164,7 +1184,7 @@ def blocksparse_attention(
     Args:
         query: ``[B, Hq, T, D]``; key: ``[B, Hkv, S, D]``; value: ``[B, Hkv, S, Dv]``,
             ``Hq % Hkv == 0``, all three of one dtype.
-        q_segment_ids, kv_segment_ids: ``[B, T]`` / ``[B, S]`` ints; only equal ids attend (packing).
+        q_segment_ids, kv_segment_ids: ``[B, T]`` / ``[B, S]`` ints; only equal ids attend.
             Any integer dtype; ids are compared exactly (64-bit ids that do not fit in int32 are
             renumbered by rank, never truncated).
         q_positions, kv_positions: ``[B, T]`` / ``[B, S]`` ints for ``causal`` and the window
@@ -1174,16 +1194,18 @@ def blocksparse_attention(
         attention_mask: ``[B or 1, Hq or 1, T, S]`` bool or 0/1; honoured exactly.
         logits_soft_cap: ``cap``, a finite positive Python or NumPy number: logits become
             ``cap * tanh(logits / cap)`` before the bias.
-        qkv_layouts: a :class:`~ejk_lite.masking.BlockMask` (e.g. from ``make_block_mask``, built once
-            and reused across layers), or a boolean block layout ``[nQ, nK]`` / ``[Hq, nQ, nK]`` whose
-            tiles are ``chunk_size`` tokens (default 128); listed tiles may be visited. The call's
+        qkv_layouts: a :class:`~ejk_lite.masking.BlockMask` (e.g. from ``make_block_mask``, built
+            once and reused across layers), or a boolean block layout ``[nQ, nK]`` /
+            ``[Hq, nQ, nK]`` whose tiles are ``chunk_size`` tokens (default 128); listed tiles may
+            be visited. The call's
             own rules hold too (``causal=True`` by default): a mask whose rule implies them is used
             as it is; otherwise the two rules are evaluated together in partial tiles and the
             mask's tile kinds are combined with theirs, never through a dense ``[T, S]`` mask.
             Pass ``causal=False`` and no other rule to use the mask's rule alone.
         softmax_scale: a finite Python or NumPy number, ``D ** -0.5`` by default.
         mask_builder: a callable with no arguments returning what ``qkv_layouts`` takes.
-        sliding_window: ``W`` or ``(left, right)``: visible iff ``q_pos - left <= kv_pos <= q_pos + right``.
+        sliding_window: ``W`` or ``(left, right)``: visible iff
+            ``q_pos - left <= kv_pos <= q_pos + right``.
         chunk_size: tile size of a boolean ``qkv_layouts`` (int or ``(q, kv)``).
         causal: ``q_pos >= kv_pos`` (default True, as the seed).
         fwd_blocks: :class:`BlockSizes` of the forward (``BlockSizes.forward`` by default).
@@ -1207,16 +1229,17 @@ def blocksparse_attention(
     if bwd_blocks is not None and not isinstance(bwd_blocks, BlockSizes) and not (
             isinstance(bwd_blocks, tuple) and len(bwd_blocks) == 2
             and all(isinstance(b, BlockSizes) for b in bwd_blocks)):
-        raise ValueError(f"bwd_blocks must be a BlockSizes or a pair (dkv, dq) of them, got {bwd_blocks!r}")
+        raise ValueError(f"bwd_blocks must be a BlockSizes or a pair (dkv, dq) of them, "
+                         f"got {bwd_blocks!r}")
     D = query.shape[-1] if hasattr(query, "shape") and len(query.shape) == 4 else 0
     dtype = getattr(query, "dtype", jnp.float32)
     fwd = fwd_blocks or BlockSizes.forward(D, dtype)
     dkv, dq = _pair(bwd_blocks or BlockSizes.backward(D, dtype))
     default_block = (128, 128)
     spec, scale, bias, cap = _prepare(query, key, value, q_segment_ids, kv_segment_ids, q_positions,
-                                      kv_positions, softmax_aux, bias, attention_mask, logits_soft_cap,
-                                      qkv_layouts, softmax_scale, mask_builder, sliding_window, chunk_size,
-                                      causal, default_block)
+                                      kv_positions, softmax_aux, bias, attention_mask,
+                                      logits_soft_cap, qkv_layouts, softmax_scale, mask_builder,
+                                      sliding_window, chunk_size, causal, default_block)
     fwd, dkv, dq = _fit(fwd, spec), _fit(dkv, spec), _fit(dq, spec)
     for blocks in (fwd, dkv, dq):
         _check_block("block_q", blocks.block_q)

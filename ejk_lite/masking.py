@@ -1,4 +1,4 @@
-"""Block masks: which tiles of the attention matrix a kernel visits, and which of them need a token mask.
+"""Block masks: which tiles of the attention matrix a kernel visits, and which need a token mask.
 
 An attention kernel works on tiles: a block of ``q_block`` queries against a block of ``kv_block``
 keys. For a given mask every tile is one of three kinds:
@@ -8,35 +8,37 @@ keys. For a given mask every tile is one of three kinds:
   evaluates the *token rule* (segment ids, positions, causal, window, token mask) pair by pair.
 * **full** (2): every pair is visible. The kernel computes the tile and needs no per-token test.
 
-:class:`BlockMask` stores the kinds and, so that a kernel can walk them without scanning a whole row,
-the same information as padded lists (FlexAttention's ``BlockMask`` does the same): for every
+:class:`BlockMask` stores the kinds and, so that a kernel can walk them without scanning a whole
+row, the same information as padded lists (FlexAttention's ``BlockMask`` does the same): for every
 (batch row, head, query block) the number of partial key blocks and their indices, and the number of
-full key blocks and their indices. The *transposed* lists (for every key block, the query blocks that
-visit it) are what a dK/dV backward walks. All arrays have fixed shapes, so a mask is built and used
-under ``jax.jit``; it is a pytree, so it passes through ``jit`` and ``custom_vjp``.
+full key blocks and their indices. The *transposed* lists (for every key block, the query blocks
+that visit it) are what a dK/dV backward walks. All arrays have fixed shapes, so a mask is built and
+used under ``jax.jit``; it is a pytree, so it passes through ``jit`` and ``custom_vjp``.
 
 **What a mask means, token by token.** A mask is a *token rule* ``R`` (any of: equal segment ids;
-``q_pos >= kv_pos`` for ``causal``; ``q_pos - left <= kv_pos <= q_pos + right`` for a sliding window;
-a token-level ``attention_mask``), optionally combined with a *block layout* ``L`` (a boolean per
-``layout_block`` tile) by ``and`` or ``or``. The kernel evaluates ``R`` in partial tiles only. That is
-exact because a layout never makes a tile partial: kernel tiles are never larger than layout tiles, so
-a listed layout tile covers whole kernel tiles, which are then full where the layout decides (``or``)
-or decided by ``R`` (``and``). The block sizes of a mask are a property of the *kernel*; the same mask
-at other block sizes (a backward's) is :meth:`BlockMask.with_blocks`, one call.
+``q_pos >= kv_pos`` for ``causal``; ``q_pos - left <= kv_pos <= q_pos + right`` for a sliding
+window; a token-level ``attention_mask``), optionally combined with a *block layout* ``L`` (a
+boolean per ``layout_block`` tile) by ``and`` or ``or``. The kernel evaluates ``R`` in partial tiles
+only. That is exact because a layout never makes a tile partial: kernel tiles are never larger than
+layout tiles, so a listed layout tile covers whole kernel tiles, which are then full where the
+layout decides (``or``) or decided by ``R`` (``and``). The block sizes of a mask are a property of
+the *kernel*; the same mask at other block sizes (a backward's) is :meth:`BlockMask.with_blocks`,
+one call.
 
-**Exact.** A tile is listed iff at least one pair in it is visible and full iff all are (pairs past the
-ends of the sequences do not count). With a token ``attention_mask`` this is computed from the dense
-mask; without one, from per-block summaries (for *full*) and a binary search per query token over each
-key block's keys sorted by (segment, position) (for *any*), which is exact for positions in any order.
+**Exact.** A tile is listed iff at least one pair in it is visible and full iff all are (pairs past
+the ends of the sequences do not count). With a token ``attention_mask`` this is computed from the
+dense mask; without one, from per-block summaries (for *full*) and a binary search per query token
+over each key block's keys sorted by (segment, position) (for *any*), which is exact for positions
+in any order.
 
 **Two rules, no dense mask.** Masks combine with ``&`` and ``|`` (and a prebuilt mask with the rules
 of an attention call) without ever forming the ``T x S`` token mask: two rules that can be one (the
 same positions, the same segment ids or one side without) merge into one; otherwise the rule gets a
 second *clause* (:class:`TokenRule` ``other``), which partial tiles evaluate too, and the tile kinds
 are the two masks' kinds combined tile by tile (``and``: empty if either is, full if both are;
-``or``: full if either is, empty if both are; partial otherwise). The token mask stays exact; such
-a partial tile may hold no visible pair (or only visible ones): work, not a wrong answer. What
-would need a third clause, or a rule joined to one layout by ``and`` and to another by ``or``, is a
+``or``: full if either is, empty if both are; partial otherwise). The token mask stays exact; such a
+partial tile may hold no visible pair (or only visible ones): work, not a wrong answer. What would
+need a third clause, or a rule joined to one layout by ``and`` and to another by ``or``, is a
 ``ValueError`` naming the dense alternative (an explicit ``attention_mask``).
 
 Positions are ``int32`` and must lie in ``(-2**30, 2**30)`` (checked when concrete); windows are
@@ -114,14 +116,16 @@ class TokenRule:
 
     def positions(self, q_len: int, kv_len: int) -> tuple[Array, Array]:
         """Query and key positions, ``[batch or 1, len]`` int32 (``arange`` where not given)."""
-        qp = self.q_positions if self.q_positions is not None else jnp.arange(q_len, dtype=jnp.int32)[None]
-        kp = self.kv_positions if self.kv_positions is not None else jnp.arange(kv_len, dtype=jnp.int32)[None]
+        qp, kp = self.q_positions, self.kv_positions
+        qp = jnp.arange(q_len, dtype=jnp.int32)[None] if qp is None else qp
+        kp = jnp.arange(kv_len, dtype=jnp.int32)[None] if kp is None else kp
         return qp, kp
 
     def segments(self, q_len: int, kv_len: int) -> tuple[Array, Array]:
         """Query and key segment ids, ``[batch or 1, len]`` int32 (one segment where not given)."""
-        qs = self.q_segment_ids if self.q_segment_ids is not None else jnp.zeros((1, q_len), jnp.int32)
-        ks = self.kv_segment_ids if self.kv_segment_ids is not None else jnp.zeros((1, kv_len), jnp.int32)
+        qs, ks = self.q_segment_ids, self.kv_segment_ids
+        qs = jnp.zeros((1, q_len), jnp.int32) if qs is None else qs
+        ks = jnp.zeros((1, kv_len), jnp.int32) if ks is None else ks
         return qs, ks
 
     def key_interval(self, q_pos: Array) -> tuple[Array, Array]:
@@ -137,7 +141,7 @@ class TokenRule:
         return lo, hi
 
     def dense(self, q_len: int, kv_len: int) -> Array:
-        """The rule as a dense boolean ``[batch, heads, T, S]`` (for tests, pictures, small sizes)."""
+        """The rule as a dense boolean ``[batch, heads, T, S]`` (tests, pictures, small sizes)."""
         if self.other is not None:
             a, b = self.own.dense(q_len, kv_len), self.other.dense(q_len, kv_len)
             return a & b if self.op == "and" else a | b
@@ -145,7 +149,8 @@ class TokenRule:
         qp, kp = self.positions(q_len, kv_len)
         lo, hi = self.key_interval(qp)
         kpos = kp[:, None, :]
-        visible = (qs[:, :, None] == ks[:, None, :]) & (lo[:, :, None] <= kpos) & (kpos <= hi[:, :, None])
+        visible = ((qs[:, :, None] == ks[:, None, :]) & (lo[:, :, None] <= kpos)
+                   & (kpos <= hi[:, :, None]))
         visible = visible[:, None]
         if self.attention_mask is not None:
             visible = visible & self.attention_mask
@@ -167,7 +172,7 @@ jax.tree_util.register_dataclass(
 
 @dataclasses.dataclass(frozen=True)
 class BlockMask:
-    """Which key blocks each query block visits (and the transposed view), at one pair of block sizes.
+    """Which key blocks each query block visits (and the transposed view), at one pair of sizes.
 
     Arrays (``Bm`` is 1 or the batch, ``Hm`` 1 or the number of query heads; size 1 broadcasts):
 
@@ -179,7 +184,8 @@ class BlockMask:
       ``t_full_*``: the same, transposed (the query blocks that visit each key block).
 
     ``rule`` is the token rule partial tiles evaluate (``None``: every pair of a listed tile is
-    visible); ``layout`` an optional boolean ``[1 or H, nLQ, nLK]`` at ``layout_block`` tokens per tile,
+    visible); ``layout`` an optional boolean ``[1 or H, nLQ, nLK]`` at ``layout_block`` tokens per
+    tile,
     combined with the rule by ``combine`` (``"and"`` / ``"or"``).
     """
 
@@ -198,7 +204,8 @@ class BlockMask:
     kv_len: int = dataclasses.field(metadata=dict(static=True))
     q_block: int = dataclasses.field(metadata=dict(static=True))
     kv_block: int = dataclasses.field(metadata=dict(static=True))
-    layout_block: tuple[int, int] | None = dataclasses.field(default=None, metadata=dict(static=True))
+    layout_block: tuple[int, int] | None = dataclasses.field(default=None,
+                                                             metadata=dict(static=True))
     combine: str = dataclasses.field(default="and", metadata=dict(static=True))
 
     @property
@@ -215,10 +222,11 @@ class BlockMask:
 
     def token_mask(self) -> Array:
         """The mask as a dense boolean ``[Bm, Hm, T, S]``: memory T x S, for tests and pictures."""
-        return dense_mask(self.rule, self.layout, self.layout_block, self.combine, self.q_len, self.kv_len)
+        return dense_mask(self.rule, self.layout, self.layout_block, self.combine, self.q_len,
+                          self.kv_len)
 
     def visited_fraction(self) -> Array:
-        """Fraction of tiles visited (partial or full), per ``[Bm, Hm]``: the work relative to dense."""
+        """Fraction of tiles visited (partial or full), per ``[Bm, Hm]``: the work against dense."""
         return jnp.mean((self.kinds != EMPTY).astype(jnp.float32), axis=(-2, -1))
 
     def __and__(self, other: BlockMask) -> BlockMask:
@@ -231,19 +239,23 @@ class BlockMask:
 jax.tree_util.register_dataclass(
     BlockMask,
     data_fields=["kinds", "partial_count", "partial_index", "full_count", "full_index",
-                 "t_partial_count", "t_partial_index", "t_full_count", "t_full_index", "rule", "layout"],
+                 "t_partial_count", "t_partial_index", "t_full_count", "t_full_index", "rule",
+                 "layout"],
     meta_fields=["q_len", "kv_len", "q_block", "kv_block", "layout_block", "combine"],
 )
 
 
 def dense_mask(rule: TokenRule | None, layout: Array | None, layout_block: tuple[int, int] | None,
                combine: str, T: int, S: int) -> Array:
-    """A rule and a layout as one dense boolean ``[Bm, Hm, T, S]`` (the definition the kernels meet)."""
+    """A rule and a layout as one dense boolean ``[Bm, Hm, T, S]`` (the definition kernels meet)."""
     visible = None if rule is None else rule.dense(T, S)
     if layout is not None:
         lq, lk = layout_block
         tokens = jnp.repeat(jnp.repeat(layout, lq, axis=-2)[..., :T, :], lk, axis=-1)[..., :S][None]
-        visible = tokens if visible is None else (visible & tokens if combine == "and" else visible | tokens)
+        if visible is None:
+            visible = tokens
+        else:
+            visible = visible & tokens if combine == "and" else visible | tokens
     if visible is None:
         visible = jnp.ones((1, 1, T, S), bool)
     return visible
@@ -331,8 +343,8 @@ def _rank(keys_seg, keys_pos, seg, pos, inclusive: bool) -> Array:
 
 
 def _kinds_sorted_keys(T, S, bq, bk, qs, lo, hi, ks, kp) -> Array:
-    """Keys sorted along S: query i sees exactly the keys ``first_i <= k < end_i``, so a tile's visible
-    pairs are ``sum_i |[first_i, end_i) & [kv block]|``; listed iff > 0, full iff all its pairs."""
+    """Keys sorted along S: query i sees exactly the keys ``first_i <= k < end_i``, so a tile's
+    visible pairs are ``sum_i |[first_i, end_i) & [kv block]|``; listed iff > 0, full iff all."""
     first = _rank(ks, kp, qs, lo, inclusive=False)
     end = _rank(ks, kp, qs, hi, inclusive=True)
     first = _blocks(first, T, bq, 0)[..., None]  # [B, nQ, bq, 1]; padding rows see nothing
@@ -343,22 +355,26 @@ def _kinds_sorted_keys(T, S, bq, bk, qs, lo, hi, ks, kp) -> Array:
     pairs = jnp.sum(overlap, axis=2)  # [B, nQ, nK] visible pairs per tile
     q_valid = jnp.minimum(T - jnp.arange(0, T, bq), bq)
     all_pairs = q_valid[:, None] * (stops - starts)[None, :]
-    return jnp.where(pairs == all_pairs, FULL, jnp.where(pairs > 0, PARTIAL, EMPTY)).astype(jnp.int8)
+    kinds = jnp.where(pairs == all_pairs, FULL, jnp.where(pairs > 0, PARTIAL, EMPTY))
+    return kinds.astype(jnp.int8)
 
 
 def _kinds_any_order(T, S, bq, bk, qs, lo, hi, ks, kp) -> Array:
     """Any key order: summaries per block decide *full*; a binary search per query token over each
     key block's keys, sorted by (segment, position), decides *any*."""
-    # Full: every (valid) query of the block sees every (valid) key of the block. With one segment on
-    # both sides, that is: the largest lower bound <= the smallest key position, and the largest key
-    # position <= the smallest upper bound.
+    # Full: every (valid) query of the block sees every (valid) key of the block. With one segment
+    # on both sides, that is: the largest lower bound <= the smallest key position, and the largest
+    # key position <= the smallest upper bound.
     def summary(x, length, block, reduce, fill):
         return reduce(_blocks(x, length, block, fill), axis=-1)
 
-    q_seg_lo, q_seg_hi = summary(qs, T, bq, jnp.min, _I32_MAX), summary(qs, T, bq, jnp.max, _I32_MIN)
-    k_seg_lo, k_seg_hi = summary(ks, S, bk, jnp.min, _I32_MAX), summary(ks, S, bk, jnp.max, _I32_MIN)
+    q_seg_lo = summary(qs, T, bq, jnp.min, _I32_MAX)
+    q_seg_hi = summary(qs, T, bq, jnp.max, _I32_MIN)
+    k_seg_lo = summary(ks, S, bk, jnp.min, _I32_MAX)
+    k_seg_hi = summary(ks, S, bk, jnp.max, _I32_MIN)
     lo_max, hi_min = summary(lo, T, bq, jnp.max, _I32_MIN), summary(hi, T, bq, jnp.min, _I32_MAX)
-    k_pos_lo, k_pos_hi = summary(kp, S, bk, jnp.min, _I32_MAX), summary(kp, S, bk, jnp.max, _I32_MIN)
+    k_pos_lo = summary(kp, S, bk, jnp.min, _I32_MAX)
+    k_pos_hi = summary(kp, S, bk, jnp.max, _I32_MIN)
     one_segment = ((q_seg_lo == q_seg_hi)[:, :, None] & (k_seg_lo == k_seg_hi)[:, None, :]
                    & (q_seg_lo[:, :, None] == k_seg_lo[:, None, :]))
     full = (one_segment & (lo_max[:, :, None] <= k_pos_lo[:, None, :])
@@ -373,8 +389,10 @@ def _kinds_any_order(T, S, bq, bk, qs, lo, hi, ks, kp) -> Array:
     seg_sorted = jnp.take_along_axis(seg_b, order, axis=-1)
     pos_sorted = jnp.take_along_axis(pos_b, order, axis=-1)
     n_valid = jnp.sum(valid_k, axis=-1, dtype=jnp.int32)[:, None, :]  # [1, 1, nK]
-    first = _count_before(seg_sorted, pos_sorted, n_valid, qs[:, :, None], lo[:, :, None], inclusive=False)
-    last = _count_before(seg_sorted, pos_sorted, n_valid, qs[:, :, None], hi[:, :, None], inclusive=True)
+    first = _count_before(seg_sorted, pos_sorted, n_valid, qs[:, :, None], lo[:, :, None],
+                          inclusive=False)
+    last = _count_before(seg_sorted, pos_sorted, n_valid, qs[:, :, None], hi[:, :, None],
+                         inclusive=True)
     sees = (last > first).swapaxes(1, 2)  # [B, nK, T]: query token sees something in the key block
     any_visible = jnp.any(_blocks(sees, T, bq, False), axis=-1).swapaxes(1, 2)  # [B, nQ, nK]
     return jnp.where(full, FULL, jnp.where(any_visible, PARTIAL, EMPTY)).astype(jnp.int8)
@@ -393,7 +411,8 @@ def _dense_kinds(visible: Array, T: int, S: int, bq: int, bk: int) -> Array:
     return jnp.where(all_visible, FULL, jnp.where(any_visible, PARTIAL, EMPTY)).astype(jnp.int8)
 
 
-def _layout_kinds(layout: Array, layout_block: tuple[int, int], T: int, S: int, bq: int, bk: int) -> Array:
+def _layout_kinds(layout: Array, layout_block: tuple[int, int], T: int, S: int, bq: int,
+                  bk: int) -> Array:
     """A layout refined to kernel tiles (never coarser than the layout): FULL where listed."""
     lq, lk = layout_block
     rows = (jnp.arange(-(-T // bq)) * bq) // lq
@@ -414,7 +433,8 @@ def _build(rule, layout, layout_block, combine, T, S, bq, bk) -> BlockMask:
     _check_block("q_block", bq)
     _check_block("kv_block", bk)
     if layout is not None and (bq > layout_block[0] or bk > layout_block[1]):
-        raise ValueError(f"block sizes ({bq}, {bk}) must not exceed the layout's tiles {layout_block}: "
+        raise ValueError(f"block sizes ({bq}, {bk}) must not exceed the layout's tiles "
+                         f"{layout_block}: "
                          "a kernel tile must lie inside one layout tile for the mask to stay exact")
     nQ, nK = -(-T // bq), -(-S // bk)
     kinds = None if rule is None else _rule_kinds(rule, T, S, bq, bk)
@@ -473,7 +493,8 @@ def _check_ids(name: str, x: Any, length: int, batch: int | None) -> Any:
     if x is None:
         return None
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-        raise ValueError(f"{name} must be an integer array [batch, {length}], got {type(x).__name__}")
+        raise ValueError(f"{name} must be an integer array [batch, {length}], "
+                         f"got {type(x).__name__}")
     if len(x.shape) != 2 or x.shape[1] != length:
         raise ValueError(f"{name} must have shape [batch, {length}], got {tuple(x.shape)}")
     if batch is not None and x.shape[0] not in (1, batch):
@@ -536,17 +557,22 @@ def normalize_window(sliding_window: Any) -> tuple[int, int] | None:
     """``None``, an int ``W`` (-> ``(W, W)``) or ``(left, right)``, each a non-negative int."""
     if sliding_window is None:
         return None
-    window = (sliding_window, sliding_window) if isinstance(sliding_window, (int, np.integer)) else sliding_window
+    window = sliding_window
+    if isinstance(sliding_window, (int, np.integer)):
+        window = (sliding_window, sliding_window)
     if (not isinstance(window, (tuple, list)) or len(window) != 2
-            or not all(isinstance(w, (int, np.integer)) and not isinstance(w, bool) for w in window)):
-        raise ValueError(f"sliding_window must be an int or a (left, right) pair of ints, got {sliding_window!r}")
+            or not all(isinstance(w, (int, np.integer)) and not isinstance(w, bool)
+                       for w in window)):
+        raise ValueError(f"sliding_window must be an int or a (left, right) pair of ints, "
+                         f"got {sliding_window!r}")
     if window[0] < 0 or window[1] < 0:
         raise ValueError(f"sliding_window sizes must be >= 0, got {tuple(window)}")
     return int(window[0]), int(window[1])
 
 
-def token_rule(q_len: int, kv_len: int, *, q_segment_ids=None, kv_segment_ids=None, q_positions=None,
-               kv_positions=None, causal: bool = False, sliding_window=None, attention_mask=None,
+def token_rule(q_len: int, kv_len: int, *, q_segment_ids=None, kv_segment_ids=None,
+               q_positions=None, kv_positions=None, causal: bool = False, sliding_window=None,
+               attention_mask=None,
                batch: int | None = None, heads: int | None = None) -> TokenRule | None:
     """Check the rule arguments and bundle them (``None`` when no rule is given)."""
     if (q_segment_ids is None) != (kv_segment_ids is None):
@@ -569,7 +595,8 @@ def token_rule(q_len: int, kv_len: int, *, q_segment_ids=None, kv_segment_ids=No
     if attention_mask is not None:
         shape = getattr(attention_mask, "shape", None)
         if shape is None or len(shape) != 4 or tuple(shape[2:]) != (q_len, kv_len):
-            raise ValueError(f"attention_mask must have shape [batch or 1, heads or 1, {q_len}, {kv_len}], "
+            raise ValueError(f"attention_mask must have shape [batch or 1, heads or 1, {q_len}, "
+                             f"{kv_len}], "
                              f"got {shape}")
         if batch is not None and shape[0] not in (1, batch):
             raise ValueError(f"attention_mask has batch {shape[0]}, expected 1 or {batch}")
@@ -584,20 +611,23 @@ def token_rule(q_len: int, kv_len: int, *, q_segment_ids=None, kv_segment_ids=No
     if attention_mask is not None and attention_mask.shape[0] != 1:
         batches.add(attention_mask.shape[0])
     if len(batches) > 1:
-        raise ValueError(f"segment ids, positions and attention_mask disagree on the batch size: {sorted(batches)}")
+        raise ValueError(f"segment ids, positions and attention_mask disagree on the batch size: "
+                         f"{sorted(batches)}")
     if all(a is None for a in ids) and attention_mask is None and not causal and window is None:
         return None
     return TokenRule(q_segment_ids, kv_segment_ids, q_positions, kv_positions, attention_mask,
                      causal=bool(causal), window=window)
 
 
-def _check_layout(layout: Any, T: int, S: int, layout_block: tuple[int, int], heads: int | None) -> Array:
+def _check_layout(layout: Any, T: int, S: int, layout_block: tuple[int, int],
+                  heads: int | None) -> Array:
     shape = getattr(layout, "shape", None)
     lq, lk = layout_block
     expected = (-(-T // lq), -(-S // lk))
     if shape is None or len(shape) not in (2, 3) or tuple(shape[-2:]) != expected:
-        raise ValueError(f"layout must be a boolean [n_q_blocks, n_kv_blocks] or [heads, n_q_blocks, "
-                         f"n_kv_blocks] with blocks {layout_block}, i.e. [..., {expected[0]}, {expected[1]}]; "
+        raise ValueError(f"layout must be a boolean [n_q_blocks, n_kv_blocks] or [heads, "
+                         f"n_q_blocks, n_kv_blocks] with blocks {layout_block}, i.e. "
+                         f"[..., {expected[0]}, {expected[1]}]; "
                          f"got shape {shape}")
     if len(shape) == 3 and heads is not None and shape[0] not in (1, heads):
         raise ValueError(f"layout has {shape[0]} heads, expected 1 or {heads}")
@@ -632,9 +662,9 @@ def make_block_mask(
     ``sliding_window`` ``W`` or ``(left, right)``: ``q_pos - left <= kv_pos <= q_pos + right``;
     positions ``[B, T]`` / ``[B, S]``, ``arange`` where not given; ``attention_mask``
     ``[B or 1, H or 1, T, S]`` (bool or 0/1), honoured exactly. ``layout``: a boolean per tile of
-    ``layout_block`` tokens (default: the block sizes), ``[nLQ, nLK]`` or ``[H, nLQ, nLK]``, combined
-    with the rules by ``combine`` (``"and"``: both must allow a pair; ``"or"``: either). No rule and no
-    layout: every pair is visible.
+    ``layout_block`` tokens (default: the block sizes), ``[nLQ, nLK]`` or ``[H, nLQ, nLK]``,
+    combined with the rules by ``combine`` (``"and"``: both must allow a pair; ``"or"``: either). No
+    rule and no layout: every pair is visible.
     """
     for name, n in (("q_len", q_len), ("kv_len", kv_len)):
         if not isinstance(n, (int, np.integer)) or n < 0:
@@ -656,7 +686,8 @@ def make_block_mask(
         layout = _check_layout(layout, q_len, kv_len, tuple(layout_block), None)
     elif layout_block is not None:
         raise ValueError("layout_block is given but layout is not")
-    return _build(rule, layout, layout_block, combine, int(q_len), int(kv_len), int(q_block), int(kv_block))
+    return _build(rule, layout, layout_block, combine, int(q_len), int(kv_len), int(q_block),
+                  int(kv_block))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -712,6 +743,8 @@ def _implies(a: TokenRule, b: TokenRule) -> bool:
     if a.other is not None:
         own, other = _implies(a.own, b), _implies(a.other, b)
         return (own or other) if a.op == "and" else (own and other)
+    if b.attention_mask is not None and not _same(a.attention_mask, b.attention_mask):
+        return False  # (and no [T, S] work to find it out)
     merged = _merge_and(a, b)
     return (merged is not None and merged.causal == a.causal and merged.window == a.window
             and all(getattr(merged, f) is getattr(a, f) for f in _ARRAY_FIELDS))
@@ -769,7 +802,8 @@ def _combine(a: BlockMask, b: BlockMask, op: str) -> BlockMask:
     if not isinstance(a, BlockMask) or not isinstance(b, BlockMask):
         raise ValueError("masks combine with other BlockMasks only")
     if (a.q_len, a.kv_len) != (b.q_len, b.kv_len):
-        raise ValueError(f"masks cover different lengths: {(a.q_len, a.kv_len)} and {(b.q_len, b.kv_len)}")
+        raise ValueError(f"masks cover different lengths: {(a.q_len, a.kv_len)} and "
+                         f"{(b.q_len, b.kv_len)}")
     bq, bk = min(a.q_block, b.q_block), min(a.kv_block, b.kv_block)
     T, S = a.q_len, a.kv_len
 
@@ -886,6 +920,8 @@ def _check_rule_shapes(rule: TokenRule, name: str, batch: int, heads: int, T: in
                            or am.shape[1] not in (1, heads) or tuple(am.shape[2:]) != (T, S)):
         raise ValueError(f"{name}.attention_mask must have shape [1 or {batch}, 1 or {heads}, "
                          f"{T}, {S}], got {list(am.shape)}")
+    if rule.other is not None:
+        _check_rule_shapes(rule.other, f"{name}.other", batch, heads, T, S)
 
 
 def _check_mask_values(mask: BlockMask, name: str) -> None:
