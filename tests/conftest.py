@@ -14,6 +14,15 @@ jax.config.update("jax_enable_x64", False)
 # Relative-error tolerances by input dtype, ‖out − ref‖ / ‖ref‖ against a float64 reference.
 TOLERANCE = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
 
+# cu_seqlens whose values would wrap on the way to a kernel, with the error each must raise:
+# every op that takes cu_seqlens refuses them (validate_cu_seqlens).
+WRAPPING_CU_SEQLENS = [
+    (np.array([0, 9, 3, 12], np.uint8), "non-decreasing"),     # np.diff would say [9, 250, 9]
+    (np.array([0, 9, 3, 12], np.uint32), "non-decreasing"),
+    (np.array([0, 2**32 + 5], np.int64), "int32"),              # jnp.asarray would make it 5
+    (np.array([0, 2**31 + 5], np.uint64), "int32"),
+]
+
 
 def rel_err(out, ref) -> float:
     out = np.asarray(out, dtype=np.float64)

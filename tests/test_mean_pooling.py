@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import TOLERANCE, rel_err
+from conftest import TOLERANCE, WRAPPING_CU_SEQLENS, rel_err
 from ejk_lite import block_mean_pooling, mean_pooling
 
 pooling = importlib.import_module("ejk_lite.mean_pooling")  # the module (the package attribute is the function)
@@ -357,12 +357,7 @@ def test_cu_seqlens_of_any_integer_dtype(rng, impl, dtype):
     assert rel_err(out, numpy_mean_pooling(x64, cu)) < TOLERANCE["float32"]
 
 
-@pytest.mark.parametrize("bad, match", [
-    (np.array([0, 9, 3, 12], np.uint8), "non-decreasing"),     # np.diff would say [9, 250, 9]
-    (np.array([0, 9, 3, 12], np.uint32), "non-decreasing"),
-    (np.array([0, 2**32 + 5], np.int64), "int32"),              # jnp.asarray would make it 5
-    (np.array([0, 2**31 + 5], np.uint64), "int32"),
-])
+@pytest.mark.parametrize("bad, match", WRAPPING_CU_SEQLENS)
 def test_cu_seqlens_that_would_wrap_are_refused(rng, bad, match):
     x, _ = random_x(rng, (12, 3), "float32")
     for impl in IMPLS:
