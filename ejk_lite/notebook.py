@@ -1,6 +1,7 @@
-"""Helpers for the book's notebooks: figures with live controls, and the recorded GPU results.
+"""Helpers for the book's notebooks: figures with live controls, the recorded GPU results, and
+the checker of the exercises.
 
-Neither is needed to use the kernels; both are here so that a chapter downloaded from the built
+None is needed to use the kernels; they are here so that a chapter downloaded from the built
 book and opened on a hosted notebook (where only the installed package is at hand) runs as it
 does in a clone.
 
@@ -25,7 +26,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["live_figure", "recorded_results"]
+__all__ = ["check_exercise", "live_figure", "recorded_results"]
 
 
 def live_figure(draw: Callable[..., Any], placeholder: str | None = None,
@@ -56,6 +57,48 @@ def live_figure(draw: Callable[..., Any], placeholder: str | None = None,
     display({"application/vnd.jupyter.widget-view+json": {
         "model_id": widgets.HBox(live).model_id, "version_major": 2, "version_minor": 0}},
         raw=True)
+
+
+def check_exercise(got: Any, expected: Any, *, rtol: float = 1e-5, atol: float = 1e-6,
+                   name: str = "exercise") -> bool:
+    """Compare an exercise's answer with the chapter's reference, element by element.
+
+    Prints one line: ``PASS`` or ``FAIL``, and for a failure the first wrong element (its
+    index, the value got, the value expected) and how many are wrong. Returns whether it
+    passed; it never raises, so a chapter can show an unfinished exercise failing. Floats
+    pass where ``|got - expected| <= atol + rtol * |expected|``, integers and booleans where
+    they are equal. A NaN where a number was expected is wrong (in the interpreter, an output
+    element the kernel never wrote is NaN); NaN where NaN is expected is right.
+    """
+    import numpy as np
+
+    got, expected = np.asarray(got), np.asarray(expected)
+    if got.shape != expected.shape:
+        print(f"FAIL {name}: shape {got.shape}, expected {expected.shape}")
+        return False
+    # Integers and booleans compare exactly; anything else (bfloat16 included, which NumPy
+    # does not count as inexact) as float64.
+    exact = got.dtype.kind in "biu" and expected.dtype.kind in "biu"
+    if exact:
+        right = got == expected
+    else:
+        g, e = got.astype(np.float64), expected.astype(np.float64)
+        with np.errstate(invalid="ignore"):
+            right = (np.abs(g - e) <= atol + rtol * np.abs(e)) | (g == e)  # g == e: infs
+        right |= np.isnan(g) & np.isnan(e)
+    wrong = np.argwhere(~right)
+    if len(wrong) == 0:
+        print(f"PASS {name}: {got.size} element(s) match")
+        return True
+    index = tuple(int(i) for i in wrong[0])
+    where = index if len(index) != 1 else index[0]
+
+    def show(value):
+        return str(value) if exact else f"{float(value):.6g}"
+
+    print(f"FAIL {name}: {len(wrong)} of {got.size} element(s) wrong; the first at index "
+          f"{where}: got {show(got[index])}, expected {show(expected[index])}")
+    return False
 
 
 class RecordedResults(dict):

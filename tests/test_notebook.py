@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import queue
 
+import numpy as np
 import pytest
 
 jupyter_client = pytest.importorskip("jupyter_client")
@@ -89,3 +90,47 @@ def test_live_figure_draws_then_redraws_in_place(kernel):
     assert updates[0]["content"]["transient"]["display_id"] == display_id
     assert updates[0]["content"]["data"]["image/png"] != shown[0]["content"]["data"]["image/png"]
 
+
+
+# check_exercise: the checker the chapters' exercises print PASS or FAIL with.
+
+def test_check_exercise_passes_within_tolerance(capsys):
+    from ejk_lite.notebook import check_exercise
+
+    expected = np.linspace(-3.0, 5.0, 24).reshape(4, 6)
+    assert check_exercise(expected.astype(np.float32), expected, name="close")
+    assert capsys.readouterr().out == "PASS close: 24 element(s) match\n"
+    ints = np.arange(7, dtype=np.int32)
+    assert check_exercise(ints, ints.astype(np.int64))
+    with_nan = np.array([1.0, np.nan, np.inf])
+    assert check_exercise(with_nan, with_nan)  # NaN and inf where they are expected
+    import ml_dtypes
+
+    halves = np.array([0.5, 1.5, -2.0], ml_dtypes.bfloat16)
+    assert check_exercise(halves, halves.astype(np.float64))
+    assert not check_exercise(halves, [0.5, 1.5, -3.0])
+
+
+def test_check_exercise_names_the_first_wrong_element(capsys):
+    from ejk_lite.notebook import check_exercise
+
+    expected = np.arange(12, dtype=np.float64).reshape(3, 4)
+    got = expected.copy()
+    got[1, 2] += 0.5
+    got[2, 3] = np.nan  # an element the kernel never wrote, in the interpreter
+    assert not check_exercise(got, expected, name="tiles")
+    assert capsys.readouterr().out == (
+        "FAIL tiles: 2 of 12 element(s) wrong; the first at index (1, 2): got 6.5, "
+        "expected 6\n")
+    assert not check_exercise(np.array([1, 2, 4]), np.array([1, 2, 3]))
+    assert "index 2: got 4, expected 3" in capsys.readouterr().out
+    assert not check_exercise(np.array([1.0, 2.0 + 1e-3]), np.array([1.0, 2.0]))
+    assert not check_exercise(np.full(3, np.nan), np.zeros(3))
+    assert "got nan, expected 0" in capsys.readouterr().out.splitlines()[-1]
+
+
+def test_check_exercise_fails_on_a_shape_mismatch_without_raising(capsys):
+    from ejk_lite.notebook import check_exercise
+
+    assert not check_exercise(np.zeros((2, 3)), np.zeros((3, 2)), name="shape")
+    assert capsys.readouterr().out == "FAIL shape: shape (2, 3), expected (3, 2)\n"
