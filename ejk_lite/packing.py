@@ -14,6 +14,17 @@ output length of the per-token and per-chunk functions depends on the *values* o
 under ``jax.jit`` those values are unknown while tracing, so pass the size as a static argument
 (``total_tokens=`` / ``total_chunks=``). Without it the function needs a concrete ``cu_seqlens``
 and says so.
+
+**One convention inside every op** (cumsum, mean pooling, recurrent): a packed input is
+``[rows, T, ...]``, ``rows`` independent copies of the token axis that all share one
+``cu_seqlens``; token ``t`` of row ``r`` sits at ``r * T + t``. Each kernel walks the sequences
+``cu_seqlens[i]:cu_seqlens[i + 1]`` of every row, and a padded (unpacked) batch is the case
+without ``cu_seqlens``, every row one sequence of ``T`` tokens. Why rows: ``jax.vmap`` folds a
+mapped axis into the rows (:func:`ejk_lite.launch.vmap_by_folding`), so a batch of packed inputs
+is still one launch; and it is flash-linear-attention's ``[1, T, ...]`` layout with the ``1``
+allowed to grow. What callers pass is unchanged: ``[1, T, ...]`` for the cumsums and
+``recurrent`` (:func:`check_packed_batch` insists on the ``1``), ``(T, ...)`` for mean pooling,
+which becomes one row of ``T`` tokens.
 """
 
 from __future__ import annotations
@@ -63,6 +74,13 @@ def validate_cu_seqlens(cu_seqlens: Any, total_tokens: int | None = None, name: 
         raise ValueError(f"{name}[-1] = {values[-1]} does not fit in int32 (the kernels' index type)")
     if total_tokens is not None and values[-1] > total_tokens:
         raise ValueError(f"{name}[-1] = {values[-1]} is beyond the {total_tokens} tokens of the input")
+
+
+def check_packed_batch(batch: int, name: str, shape: tuple[int, ...]) -> None:
+    """Packed input (with ``cu_seqlens``) is one row ``[1, T, ...]``: raise unless ``batch == 1``."""
+    if batch != 1:
+        raise ValueError(f"cu_seqlens packs sequences along one batch entry: {name} must have batch "
+                         f"size 1, got shape {tuple(shape)}")
 
 
 def checked_cu_seqlens(cu_seqlens: Any, total_tokens: int, name: str = "cu_seqlens") -> Any:

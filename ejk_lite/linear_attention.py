@@ -54,10 +54,19 @@ summed over the group.
 ``jax.vmap`` folds the mapped axis into the batch, so a batch of inputs is one launch of each
 kernel (with packing, every row of the folded batch holds the same sequences); only a mapped
 ``cu_seqlens`` runs one element at a time.
+
+Implementations (``impl=``): ``"triton"``, the kernels below; ``"xla"``, the module's
+:func:`reference` (a ``lax.scan`` over time, differentiated by JAX); ``"auto"``, Triton on a GPU
+and XLA elsewhere. Tiles (``config=``): a :class:`RecurrentConfig`, per direction.
+
+The module reads top to bottom as every op of ejk_lite: the checks and the reference, the
+kernels, the launchers ``_fwd`` / ``_bwd``, one ``custom_vjp``, the public function.
+(The module is ``ejk_lite.linear_attention``; ``ejk_lite.recurrent`` is the function.)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -65,12 +74,29 @@ import jax
 import jax.numpy as jnp
 import triton
 import triton.language as tl
-from jax import Array
+from jax import Array, lax
 
-from ejk_lite.checks import check_floating, static_float
+from ejk_lite.checks import (
+    check_config,
+    check_floating,
+    check_triton_dtype,
+    freeze_fields,
+    next_power_of_2,
+    resolve_impl,
+    static_float,
+    validated_fields,
+)
 from ejk_lite.cumsum import chunk_global_cumsum
 from ejk_lite.launch import triton_call, vmap_by_folding
-from ejk_lite.packing import cdiv, checked_cu_seqlens, prepare_sequence_ids, sanitize_cu_seqlens
+from ejk_lite.packing import (
+    cdiv,
+    check_packed_batch,
+    checked_cu_seqlens,
+    prepare_sequence_ids,
+    sanitize_cu_seqlens,
+)
+
+__all__ = ["recurrent", "reference", "RecurrentConfig"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -107,8 +133,7 @@ def _validate(query, key, value, g, g_gamma, gk, gv, initial_state, cu_seqlens) 
         num_sequences = batch
     else:
         cu_seqlens = checked_cu_seqlens(cu_seqlens, seq_len)
-        if batch != 1:
-            raise ValueError(f"cu_seqlens packs sequences along one row: batch must be 1, got {batch}")
+        check_packed_batch(batch, "query", query.shape)
         num_sequences = cu_seqlens.shape[0] - 1
     _check_shape("initial_state", initial_state, (num_sequences, num_heads, key_dim, value_dim),
                  "[num_sequences, heads, key_dim, value_dim]")
@@ -182,7 +207,8 @@ def reference(
 
     def update(h, q_t, k_t, v_t, a_k, a_v):
         h = h * jnp.exp(a_k)[..., :, None] * jnp.exp(a_v)[..., None, :] + k_t[..., :, None] * v_t[..., None, :]
-        return h, jnp.einsum("...k,...kv->...v", q_t, h)
+        # HIGHEST: on a GPU the default precision of a float32 dot may be TF32 (10-bit mantissa).
+        return h, jnp.einsum("...k,...kv->...v", q_t, h, precision=lax.Precision.HIGHEST)
 
     if initial_state is None:
         h0 = jnp.zeros((num_sequences, num_heads, key_dim, value_dim), dtype)
@@ -507,20 +533,45 @@ def _backward_kernel(
 # ----------------------------------------------------------------------------------------------
 
 
-def _block_sizes(key_dim: int, value_dim: int) -> tuple[int, int, int]:
-    """(BK, BV, num_warps): every kernel works on [BK, BV] tiles of the fp32 state.
+@dataclasses.dataclass(frozen=True)
+class RecurrentConfig:
+    """Tiles of the Triton kernels, per direction: ``fwd_*`` for the forward kernel, ``bwd_*`` for
+    the backward one (which recomputes the state itself, so its tiles need not match).
 
-    A step of a walk costs about one memory latency (partly hidden by the prefetch) however little
-    it computes, so speed comes from many small programs running side by side. A tile takes all of
-    K (up to 128), so the output needs no sum over K tiles, and V is cut into narrow tiles: 16
-    columns next to K = 128, 8 next to smaller K. Measured on an H100 (bf16, B=4, T=4096, H=16,
-    K=V=128): 1.9 ms forward, 12 ms forward + backward. Wider V tiles, more or fewer warps, and
-    cutting K instead in the backward all measured slower.
+    Every kernel works on ``[block_k, block_v]`` tiles of the fp32 state (powers of two).
+    ``None`` fields are chosen from K and V (:meth:`blocks`); ``RecurrentConfig()`` (or
+    ``config=None``) is the shipped default. There are no pipeline stages to set: the walks
+    prefetch one token ahead by hand (a loop whose trip count is the sequence's length, carrying
+    the state, is not one Triton's pipeliner helps).
     """
-    block_k = min(triton.next_power_of_2(max(key_dim, 1)), 128)
-    block_v = min(triton.next_power_of_2(max(value_dim, 1)), 16 if block_k >= 128 else 8)
-    num_warps = 4 if block_k * block_v >= 2048 else (2 if block_k * block_v >= 512 else 1)
-    return block_k, block_v, num_warps
+
+    fwd_block_k: int | None = None
+    fwd_block_v: int | None = None
+    fwd_num_warps: int | None = None
+    bwd_block_k: int | None = None
+    bwd_block_v: int | None = None
+    bwd_num_warps: int | None = None
+
+    def __post_init__(self):
+        freeze_fields(self, validated_fields(self, powers_of_two=tuple(f.name for f in dataclasses.fields(self))))
+
+    def blocks(self, direction: str, key_dim: int, value_dim: int) -> tuple[int, int, int]:
+        """``(BK, BV, num_warps)`` of ``direction`` (``"fwd"`` or ``"bwd"``).
+
+        The defaults: a step of a walk costs about one memory latency (partly hidden by the
+        prefetch) however little it computes, so speed comes from many small programs running
+        side by side. A tile takes all of K (up to 128), so the output needs no sum over K
+        tiles, and V is cut into narrow tiles: 16 columns next to K = 128, 8 next to smaller K.
+        Measured on an H100 (bf16, B=4, T=4096, H=16, K=V=128): 1.9 ms forward, 12 ms forward +
+        backward. Wider V tiles, more or fewer warps, and cutting K instead in the backward all
+        measured slower. Both directions default to the same tiles.
+        """
+        block_k = getattr(self, f"{direction}_block_k") or min(next_power_of_2(max(key_dim, 1)), 128)
+        block_v = getattr(self, f"{direction}_block_v") or min(next_power_of_2(max(value_dim, 1)),
+                                                               16 if block_k >= 128 else 8)
+        num_warps = getattr(self, f"{direction}_num_warps") or (
+            4 if block_k * block_v >= 2048 else (2 if block_k * block_v >= 512 else 1))
+        return block_k, block_v, num_warps
 
 
 def _flags(g, g_gamma, gk, gv, initial_state, reverse, cu_seqlens) -> dict[str, bool]:
@@ -586,7 +637,7 @@ def _check_grid(programs: int) -> None:
                          f"CUDA's limit of {_MAX_GRID_Z}")
 
 
-def _forward_launch(scale, reverse, blocks, query, key, value, g, g_gamma, gk, gv, initial_state,
+def _forward_launch(scale, reverse, config, query, key, value, g, g_gamma, gk, gv, initial_state,
                     cu_seqlens):
     """The forward kernel: ``o`` as partials over K tiles ``[NK, B * T, H, V]``, and the final
     state ``[N, H, K, V]`` (with packing, N = B * sequences per row)."""
@@ -594,7 +645,7 @@ def _forward_launch(scale, reverse, blocks, query, key, value, g, g_gamma, gk, g
     num_kv_heads, value_dim = value.shape[2], value.shape[3]
     num_seqs, per_row, total_tokens = _launch_sizes(query, cu_seqlens)
     _check_grid(num_seqs * num_heads)
-    block_k, block_v, num_warps = blocks
+    block_k, block_v, num_warps = config.blocks("fwd", key_dim, value_dim)
     num_k_tiles, num_v_tiles = cdiv(key_dim, block_k), cdiv(value_dim, block_v)
     f32 = jnp.float32
     return triton_call(
@@ -611,7 +662,7 @@ def _forward_launch(scale, reverse, blocks, query, key, value, g, g_gamma, gk, g
     )
 
 
-def _forward(scale, reverse, blocks,
+def _fwd(scale, reverse, config,
              query, key, value, g, g_gamma, gk, gv, initial_state, cu_seqlens):
     batch, seq_len, num_heads, key_dim = query.shape
     num_kv_heads, value_dim = value.shape[2], value.shape[3]
@@ -624,7 +675,7 @@ def _forward(scale, reverse, blocks,
         h0 = jnp.zeros((num_seqs, num_heads, key_dim, value_dim), f32) if initial_state is None else initial_state
         return o, h0.astype(f32)
 
-    launch = vmap_by_folding(functools.partial(_forward_launch, scale, reverse, blocks),
+    launch = vmap_by_folding(functools.partial(_forward_launch, scale, reverse, config),
                              in_axes=_IN_AXES, out_axes=(1, 0), prepare=_gamma_into_g)
     o_parts, final_state = launch(query, key, value, g, g_gamma, gk, gv, initial_state, cu_seqlens)
     o = o_parts.sum(0, dtype=f32) if o_parts.shape[0] > 1 else o_parts[0]
@@ -634,9 +685,9 @@ def _forward(scale, reverse, blocks,
     return o.astype(query.dtype).reshape(batch, seq_len, num_heads, value_dim), final_state
 
 
-def _backward_launch(scale, reverse, blocks, query, key, value, g, g_gamma, gk, gv, initial_state,
+def _backward_launch(scale, reverse, config, query, key, value, g, g_gamma, gk, gv, initial_state,
                      cu_seqlens, d_o, d_final_state):
-    """The backward kernel's ten outputs, fp32 partials over state tiles (see ``_backward``)."""
+    """The backward kernel's ten outputs, fp32 partials over state tiles (see ``_bwd``)."""
     _, seq_len, num_heads, key_dim = query.shape
     num_kv_heads, value_dim = value.shape[2], value.shape[3]
     num_seqs, per_row, total_tokens = _launch_sizes(query, cu_seqlens)
@@ -646,7 +697,7 @@ def _backward_launch(scale, reverse, blocks, query, key, value, g, g_gamma, gk, 
     gated_k, gated_v = flags["HAS_K_DECAY"], flags["HAS_GV"]
     has_dht = d_final_state is not None
     last_needed = has_dht and (gated_k or gated_v)
-    block_k, block_v, num_warps = blocks
+    block_k, block_v, num_warps = config.blocks("bwd", key_dim, value_dim)
     num_k_tiles, num_v_tiles = cdiv(key_dim, block_k), cdiv(value_dim, block_v)
 
     def partials(num_tiles, rows, size, needed=True):  # fp32 per-tile partial sums (or a stand-in)
@@ -674,7 +725,7 @@ def _backward_launch(scale, reverse, blocks, query, key, value, g, g_gamma, gk, 
     )
 
 
-def _backward(scale, reverse, blocks, residuals, cotangents):
+def _bwd(scale, reverse, config, residuals, cotangents):
     query, key, value, g, g_gamma, gk, gv, initial_state, cu_seqlens = residuals
     d_o, d_final_state = cotangents
     if isinstance(d_o, jax.custom_derivatives.SymbolicZero):  # only final_state was used
@@ -702,7 +753,7 @@ def _backward(scale, reverse, blocks, residuals, cotangents):
                     1 if last_needed and gated_k else None, 1 if last_needed and gated_v else None,
                     1, 1, 1 if gated_k else None, 1 if gated_v else None,
                     0 if initial_state is not None else None)
-        launch = vmap_by_folding(functools.partial(_backward_launch, scale, reverse, blocks),
+        launch = vmap_by_folding(functools.partial(_backward_launch, scale, reverse, config),
                                  in_axes=_IN_AXES, out_axes=out_axes, prepare=_gamma_into_g)
         (dq_parts, q_dq_parts, o_do_parts, last_k, last_v, dk_parts, dv_parts, k_dh_v_parts, v_dh_k_parts,
          dh0) = launch(query, key, value, g, g_gamma, gk, gv, initial_state, cu_seqlens, d_o,
@@ -753,31 +804,35 @@ def _backward(scale, reverse, blocks, residuals, cotangents):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _recurrent(scale, reverse, blocks, query, key, value, g, g_gamma, gk, gv, initial_state, cu_seqlens):
-    return _forward(scale, reverse, blocks, query, key, value, g, g_gamma, gk, gv, initial_state, cu_seqlens)
+def _recurrent_triton(scale, reverse, config, query, key, value, g, g_gamma, gk, gv, initial_state,
+                      cu_seqlens):
+    return _fwd(scale, reverse, config, query, key, value, g, g_gamma, gk, gv, initial_state, cu_seqlens)
 
 
-def _recurrent_fwd(scale, reverse, blocks, *primals):
+def _vjp_fwd(scale, reverse, config, *primals):
     # With symbolic_zeros=True each array argument arrives as a CustomVJPPrimal (value, perturbed).
     primals = [None if p is None else p.value for p in primals]
-    o, final_state = _forward(scale, reverse, blocks, *primals)
+    o, final_state = _fwd(scale, reverse, config, *primals)
     return (o, final_state), tuple(primals)
 
 
 # symbolic_zeros: when the caller ignores final_state, its cotangent arrives as a SymbolicZero and
 # the reverse sweep skips it instead of reading a tensor of zeros.
-_recurrent.defvjp(_recurrent_fwd, _backward, symbolic_zeros=True)
+_recurrent_triton.defvjp(_vjp_fwd, _bwd, symbolic_zeros=True)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _recurrent_jit(scale, reverse, blocks, query, key, value, g, g_gamma, gk, gv, initial_state,
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _recurrent_jit(impl, scale, reverse, config, query, key, value, g, g_gamma, gk, gv, initial_state,
                    cu_seqlens):
     if cu_seqlens is not None:
-        # Traced values were not checked: the kernels get the nearest valid packing, so that none
-        # of them can be sent outside its arrays. (cu_seqlens gets no gradient.)
+        # Traced values were not checked: both implementations get the nearest valid packing, so
+        # that no kernel can be sent outside its arrays (and the two agree even on garbage).
+        # (cu_seqlens gets no gradient.)
         cu_seqlens = sanitize_cu_seqlens(cu_seqlens, query.shape[1])
-    return _recurrent(scale, reverse, blocks, query, key, value, g, g_gamma, gk, gv, initial_state,
-                      cu_seqlens)
+    if impl == "xla":
+        return reference(query, key, value, g, g_gamma, gk, gv, scale, initial_state, reverse, cu_seqlens)
+    return _recurrent_triton(scale, reverse, config, query, key, value, g, g_gamma, gk, gv,
+                             initial_state, cu_seqlens)
 
 
 def recurrent(
@@ -792,8 +847,11 @@ def recurrent(
     initial_state: Array | None = None,
     reverse: bool = False,
     cu_seqlens: Array | None = None,
+    *,
+    impl: str = "auto",
+    config: RecurrentConfig | None = None,
 ) -> tuple[Array, Array]:
-    """Recurrent linear attention with Triton kernels, differentiable in every array argument.
+    """Recurrent linear attention, differentiable in every array argument.
 
     Args:
         query: ``[B, T, H, K]``.
@@ -811,10 +869,14 @@ def recurrent(
             ``cu_seqlens[-1]`` belong to no sequence; their output is zero. Checked when
             concrete; traced under ``jax.jit``, invalid values are replaced by the nearest valid
             packing (:func:`ejk_lite.packing.sanitize_cu_seqlens`): wrong numbers, never a crash.
+        impl: ``"triton"`` (the kernels; float16, bfloat16 or float32), ``"xla"`` (:func:`reference`,
+            a ``lax.scan``; any floating dtype) or ``"auto"`` (Triton on a GPU, else XLA).
+        config: a :class:`RecurrentConfig` for the Triton kernels; ``None``: the defaults.
 
     Returns:
         ``(o, final_state)``: ``o`` ``[B, T, H, V]`` in the query's dtype and ``final_state``
-        ``[N, H, K, V]`` in float32 (N = B without ``cu_seqlens``). Gradients come back in each
+        ``[N, H, K, V]`` in float32 (N = B without ``cu_seqlens``; float64 for float64 inputs
+        with ``impl="xla"``). Gradients come back in each
         input's dtype; ``g_gamma``'s is the sum of what ``g`` would get. An empty state (K = 0 or
         V = 0) is allowed: it holds nothing, so ``o`` and every gradient are zero.
 
@@ -823,8 +885,14 @@ def recurrent(
         inputs would run the recurrence in integer arithmetic), an invalid ``cu_seqlens`` or a
         ``softmax_scale`` that is not a number.
     """
+    impl = resolve_impl(impl)
+    config = RecurrentConfig() if check_config(config, RecurrentConfig) is None else config
     cu_seqlens = _validate(query, key, value, g, g_gamma, gk, gv, initial_state, cu_seqlens)
+    if impl == "triton":
+        for name, x in (("query", query), ("key", key), ("value", value), ("g", g), ("g_gamma", g_gamma),
+                        ("gk", gk), ("gv", gv), ("initial_state", initial_state)):
+            if x is not None:
+                check_triton_dtype(x, name)
     scale = _scale(softmax_scale, query.shape[-1])
-    blocks = _block_sizes(query.shape[-1], value.shape[-1])
-    return _recurrent_jit(scale, bool(reverse), blocks,
+    return _recurrent_jit(impl, scale, bool(reverse), config,
                           query, key, value, g, g_gamma, gk, gv, initial_state, cu_seqlens)
