@@ -245,19 +245,25 @@ def reference(
 # Every kernel walks a sequence token by token, and a step does little arithmetic: its time is
 # mostly the latency of loading that token's vectors. So each walk loads token i + 1's vectors
 # while it works on token i (software prefetch, one token ahead): on an H100 that made the walks
-# about 2.5x faster. (Some code is written the long way, without small helper functions: each call
-# of a @triton.jit function is slow in Triton's interpreter, which runs the tests on CPU.)
+# about 2.5x faster. (The loop bodies call one helper, _load_token, per token and nothing else:
+# each call of a @triton.jit function is slow in Triton's interpreter, which runs the tests on CPU.)
+#
+# The kernels' own signatures are flat (jax-triton passes one pointer per array); they group what
+# the helpers need at once: ``ins``, the per-token inputs advanced to this program's head, as one
+# tuple; ``walk``, where this program's walk goes (from ``_walk_start``, the one preamble of all
+# three walks); ``outs``, the outputs advanced to this program's tile and head. Flags follow
+# flash-linear-attention: USE_* for an optional input, IS_VARLEN for packed sequences.
 # ----------------------------------------------------------------------------------------------
 
 
 @triton.jit
-def _sequence_bounds(cu_seqlens, i_n, seq_len, seqs_per_row, VARLEN: tl.constexpr):
+def _sequence_bounds(cu_seqlens, i_n, seq_len, seqs_per_row, IS_VARLEN: tl.constexpr):
     """First and one-past-last token of sequence ``i_n`` in the flattened [B * T] token axis.
 
     With packing, sequence ``i_n`` is sequence ``i_n % seqs_per_row`` of row
     ``i_n // seqs_per_row``: the rows share ``cu_seqlens`` (there are several only when
     ``jax.vmap`` folded a mapped axis into the batch)."""
-    if VARLEN:
+    if IS_VARLEN:
         row = i_n // seqs_per_row
         i_s = i_n % seqs_per_row
         # Clamped (the launch already hands over a valid packing; this is the second line of
@@ -273,29 +279,68 @@ def _sequence_bounds(cu_seqlens, i_n, seq_len, seqs_per_row, VARLEN: tl.constexp
 
 
 @triton.jit
-def _load_token(q, k, v, do, g, gk, gv, tok, valid, i_h, i_kv, g_gamma_h, offs_k, offs_v, mask_k, mask_v,
-                zeros_k, zeros_v, H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                LOAD_Q: tl.constexpr, LOAD_DO: tl.constexpr,
-                HAS_G: tl.constexpr, HAS_GK: tl.constexpr, HAS_GV: tl.constexpr):
-    """One token's vectors in fp32: q, k, v, do (where asked for) and the log-decays ``a`` (along K)
-    and ``b`` (along V). Nothing is read when ``valid`` is false (the prefetch past the last token)."""
-    mask_k, mask_v = mask_k & valid, mask_v & valid
-    b_k = tl.load(k + (tok * H_KV + i_kv) * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-    b_v = tl.load(v + (tok * H_KV + i_kv) * V + offs_v, mask=mask_v, other=0.0).to(tl.float32)
-    b_q = zeros_k
+def _walk_start(cu_seqlens, g_gamma, i_v, i_k, i_nh, seq_len, seqs_per_row,
+                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                USE_G_GAMMA: tl.constexpr, BACKWARDS: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Where the walk of program ``(i_v, i_k, i_nh)`` goes: ``(i_h, walk)``.
+
+    The program owns V tile ``i_v`` and K tile ``i_k`` of the state of query head ``i_h`` of
+    sequence ``i_nh // H``. ``walk = (first, step, n, a0, offs_k, offs_v, state)``: it visits the
+    ``n`` tokens ``first + i * step`` (``step = -1`` walking ``BACKWARDS``, from the last token);
+    ``a0`` is the head's constant log-decay ``g_gamma`` (0 without it); ``offs_k`` / ``offs_v``
+    are the tile's columns and ``state`` the offsets of its ``[BK, BV]`` block in a ``[N, H, K, V]``
+    state.
+    """
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, eos = _sequence_bounds(cu_seqlens, i_n, seq_len, seqs_per_row, IS_VARLEN)
+    if BACKWARDS:
+        first, step = eos - 1, -1
+    else:
+        first, step = bos, 1
+    offs_k = i_k * BK + tl.arange(0, BK)
+    offs_v = i_v * BV + tl.arange(0, BV)
+    state = i_nh.to(tl.int64) * K * V + offs_k[:, None] * V + offs_v[None, :]
+    a0 = 0.0
+    if USE_G_GAMMA:
+        a0 = tl.load(g_gamma + i_h).to(tl.float32)
+    return i_h, (first, step, eos - bos, a0, offs_k, offs_v, state)
+
+
+@triton.jit
+def _head_inputs(q, k, v, do, g, gk, gv, i_h,
+                 H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
+    """The per-token inputs advanced to query head ``i_h`` (and its key/value head), as one tuple;
+    token ``t``'s vector then sits ``t`` token strides further (see ``_load_token``)."""
+    i_kv = i_h // (H // H_KV)
+    return (q + i_h * K, k + i_kv * K, v + i_kv * V, do + i_h * V, g + i_h, gk + i_h * K, gv + i_h * V)
+
+
+@triton.jit
+def _load_token(ins, tok, valid, a0, offs_k, offs_v,
+                H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                BK: tl.constexpr, BV: tl.constexpr, LOAD_Q: tl.constexpr, LOAD_DO: tl.constexpr,
+                USE_G: tl.constexpr, USE_GK: tl.constexpr, USE_GV: tl.constexpr):
+    """Token ``tok``'s vectors in fp32: q, k, v, do (where asked for) and the log-decays ``a``
+    (along K) and ``b`` (along V). Nothing is read when ``valid`` is false (the prefetch past the
+    last token)."""
+    q, k, v, do, g, gk, gv = ins
+    mask_k, mask_v = (offs_k < K) & valid, (offs_v < V) & valid
+    b_k = tl.load(k + tok * (H_KV * K) + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+    b_v = tl.load(v + tok * (H_KV * V) + offs_v, mask=mask_v, other=0.0).to(tl.float32)
+    b_q = tl.zeros([BK], dtype=tl.float32)
     if LOAD_Q:
-        b_q = tl.load(q + (tok * H + i_h) * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-    b_do = zeros_v
+        b_q = tl.load(q + tok * (H * K) + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+    b_do = tl.zeros([BV], dtype=tl.float32)
     if LOAD_DO:
-        b_do = tl.load(do + (tok * H + i_h) * V + offs_v, mask=mask_v, other=0.0).to(tl.float32)
-    b_a = zeros_k + g_gamma_h
-    if HAS_G:
-        b_a += tl.load(g + tok * H + i_h, mask=valid, other=0.0).to(tl.float32)
-    if HAS_GK:
-        b_a += tl.load(gk + (tok * H + i_h) * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-    b_b = zeros_v
-    if HAS_GV:
-        b_b = tl.load(gv + (tok * H + i_h) * V + offs_v, mask=mask_v, other=0.0).to(tl.float32)
+        b_do = tl.load(do + tok * (H * V) + offs_v, mask=mask_v, other=0.0).to(tl.float32)
+    b_a = tl.zeros([BK], dtype=tl.float32) + a0
+    if USE_G:
+        b_a += tl.load(g + tok * H, mask=valid, other=0.0).to(tl.float32)
+    if USE_GK:
+        b_a += tl.load(gk + tok * (H * K) + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+    b_b = tl.zeros([BV], dtype=tl.float32)
+    if USE_GV:
+        b_b = tl.load(gv + tok * (H * V) + offs_v, mask=mask_v, other=0.0).to(tl.float32)
     return b_q, b_k, b_v, b_do, b_a, b_b
 
 
@@ -304,139 +349,99 @@ def _forward_kernel(
     q, k, v, g, g_gamma, gk, gv, h0, cu_seqlens,  # inputs; an absent one is a 1-element stand-in
     seq_len, total_tokens, seqs_per_row,
     o, ht,  # outputs: o as [NK, B * T, H, V] partials over K tiles, ht [N, H, K, V] fp32
-    H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    SCALE: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_K_DECAY: tl.constexpr, HAS_G: tl.constexpr, HAS_G_GAMMA: tl.constexpr,
-    HAS_GK: tl.constexpr, HAS_GV: tl.constexpr, HAS_H0: tl.constexpr,
-    REVERSE: tl.constexpr, VARLEN: tl.constexpr,
+    H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, SCALE: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr,
+    USE_G: tl.constexpr, USE_G_GAMMA: tl.constexpr, USE_GK: tl.constexpr, USE_GV: tl.constexpr,
+    USE_INITIAL_STATE: tl.constexpr, REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
-    # One program: V tile i_v and K tile i_k of the state of query head i_h of sequence i_n.
+    K_DECAY: tl.constexpr = USE_G or USE_G_GAMMA or USE_GK
     i_v, i_k, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_n, i_h = i_nh // H, i_nh % H
-    i_kv = i_h // (H // H_KV)
-    bos, eos = _sequence_bounds(cu_seqlens, i_n, seq_len, seqs_per_row, VARLEN)
-    n = eos - bos
-    if REVERSE:  # the walk visits tokens first + i * step
-        first, step = eos - 1, -1
-    else:
-        first, step = bos, 1
-
-    offs_k = i_k * BK + tl.arange(0, BK)
-    offs_v = i_v * BV + tl.arange(0, BV)
-    mask_k, mask_v = offs_k < K, offs_v < V
-    mask_h = mask_k[:, None] & mask_v[None, :]
-    state_offsets = i_nh.to(tl.int64) * K * V + offs_k[:, None] * V + offs_v[None, :]
-    zeros_k, zeros_v = tl.zeros([BK], dtype=tl.float32), tl.zeros([BV], dtype=tl.float32)
+    i_h, walk = _walk_start(cu_seqlens, g_gamma, i_v, i_k, i_nh, seq_len, seqs_per_row,
+                            H, K, V, BK, BV, USE_G_GAMMA, REVERSE, IS_VARLEN)
+    first, step, n, a0, offs_k, offs_v, state = walk
+    ins = _head_inputs(q, k, v, q, g, gk, gv, i_h, H, H_KV, K, V)  # no do: q stands in
+    o += (i_k.to(tl.int64) * total_tokens * H + i_h) * V  # this K tile's partial, head i_h
+    mask_v = offs_v < V
+    mask_h = (offs_k < K)[:, None] & mask_v[None, :]
 
     h = tl.zeros([BK, BV], dtype=tl.float32)
-    if HAS_H0:
-        h += tl.load(h0 + state_offsets, mask=mask_h, other=0.0).to(tl.float32)
-    g_gamma_h = 0.0
-    if HAS_G_GAMMA:
-        g_gamma_h = tl.load(g_gamma + i_h).to(tl.float32)
-
-    nq, nk, nv, _, na, nb = _load_token(q, k, v, q, g, gk, gv, first, n > 0, i_h, i_kv, g_gamma_h,
-                                        offs_k, offs_v, mask_k, mask_v, zeros_k, zeros_v, H, H_KV, K, V,
-                                        True, False, HAS_G, HAS_GK, HAS_GV)
+    if USE_INITIAL_STATE:
+        h += tl.load(h0 + state, mask=mask_h, other=0.0).to(tl.float32)
+    nq, nk, nv, _, na, nb = _load_token(ins, first, n > 0, a0, offs_k, offs_v, H, H_KV, K, V, BK, BV,
+                                        True, False, USE_G, USE_GK, USE_GV)
     for i in range(0, n):
         b_q, b_k, b_v, b_a, b_b = nq, nk, nv, na, nb
-        nq, nk, nv, _, na, nb = _load_token(q, k, v, q, g, gk, gv, first + (i + 1) * step, i + 1 < n, i_h, i_kv,
-                                            g_gamma_h, offs_k, offs_v, mask_k, mask_v, zeros_k, zeros_v,
-                                            H, H_KV, K, V, True, False, HAS_G, HAS_GK, HAS_GV)
-        if HAS_K_DECAY:
+        nq, nk, nv, _, na, nb = _load_token(ins, first + (i + 1) * step, i + 1 < n, a0, offs_k, offs_v,
+                                            H, H_KV, K, V, BK, BV, True, False, USE_G, USE_GK, USE_GV)
+        if K_DECAY:
             h = h * tl.exp(b_a)[:, None]
-        if HAS_GV:
+        if USE_GV:
             h = h * tl.exp(b_b)[None, :]
         h += b_k[:, None] * b_v[None, :]
         b_o = tl.sum(h * (b_q * SCALE)[:, None], axis=0)
         tok = first + i * step
-        tl.store(o + ((i_k * total_tokens + tok) * H + i_h) * V + offs_v, b_o.to(o.dtype.element_ty), mask=mask_v)
+        tl.store(o + tok * (H * V) + offs_v, b_o.to(o.dtype.element_ty), mask=mask_v)
 
-    tl.store(ht + state_offsets, h, mask=mask_h)
+    tl.store(ht + state, h, mask=mask_h)
 
 
 @triton.jit
-def _dq_walk(
-    q, k, v, g, g_gamma, gk, gv, h0, cu_seqlens, do, dht, dq, q_dq, o_do, last_k, last_v,
-    i_v, i_k, i_nh, num_heads_total, seq_len, total_tokens, seqs_per_row,
-    H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    SCALE: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_K_DECAY: tl.constexpr, HAS_G: tl.constexpr, HAS_G_GAMMA: tl.constexpr,
-    HAS_GK: tl.constexpr, HAS_GV: tl.constexpr, HAS_H0: tl.constexpr, HAS_DHT: tl.constexpr,
-    REVERSE: tl.constexpr, VARLEN: tl.constexpr,
-):
+def _dq_walk(ins, outs, h0, dht, walk, SCALE: tl.constexpr,
+             H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+             BK: tl.constexpr, BV: tl.constexpr, K_DECAY: tl.constexpr,
+             USE_G: tl.constexpr, USE_GK: tl.constexpr, USE_GV: tl.constexpr,
+             USE_INITIAL_STATE: tl.constexpr, USE_DHT: tl.constexpr):
     # The forward walk again, recomputing the state, for dq_t = scale * h_t do_t. Splitting
     # h_t = P_t + k_t^T v_t, with P_t = decay_t * h_{t-1}, gives dq_t = scale * (P_t do_t + k_t (v_t . do_t)).
     # The gates need only the first part, so it is written out on its own (times q_t), and so is
     # the final state's share sum_V(P_T * dh_final) from the last step.
-    i_n, i_h = i_nh // H, i_nh % H
-    i_kv = i_h // (H // H_KV)
-    bos, eos = _sequence_bounds(cu_seqlens, i_n, seq_len, seqs_per_row, VARLEN)
-    n = eos - bos
-    if REVERSE:
-        first, step = eos - 1, -1
-    else:
-        first, step = bos, 1
-    GATED: tl.constexpr = HAS_K_DECAY or HAS_GV
-
-    offs_k = i_k * BK + tl.arange(0, BK)
-    offs_v = i_v * BV + tl.arange(0, BV)
+    first, step, n, a0, offs_k, offs_v, state = walk
+    dq, q_dq, o_do, last_k, last_v = outs
+    GATED: tl.constexpr = K_DECAY or USE_GV
     mask_k, mask_v = offs_k < K, offs_v < V
     mask_h = mask_k[:, None] & mask_v[None, :]
-    state_offsets = i_nh.to(tl.int64) * K * V + offs_k[:, None] * V + offs_v[None, :]
-    zeros_k, zeros_v = tl.zeros([BK], dtype=tl.float32), tl.zeros([BV], dtype=tl.float32)
 
     h = tl.zeros([BK, BV], dtype=tl.float32)
-    if HAS_H0:
-        h += tl.load(h0 + state_offsets, mask=mask_h, other=0.0).to(tl.float32)
+    if USE_INITIAL_STATE:
+        h += tl.load(h0 + state, mask=mask_h, other=0.0).to(tl.float32)
     h_decayed = tl.zeros([BK, BV], dtype=tl.float32)
-    g_gamma_h = 0.0
-    if HAS_G_GAMMA:
-        g_gamma_h = tl.load(g_gamma + i_h).to(tl.float32)
-
-    nq, nk, nv, ndo, na, nb = _load_token(q, k, v, do, g, gk, gv, first, n > 0, i_h, i_kv, g_gamma_h,
-                                          offs_k, offs_v, mask_k, mask_v, zeros_k, zeros_v, H, H_KV, K, V,
-                                          GATED, True, HAS_G, HAS_GK, HAS_GV)
+    nq, nk, nv, ndo, na, nb = _load_token(ins, first, n > 0, a0, offs_k, offs_v, H, H_KV, K, V, BK, BV,
+                                          GATED, True, USE_G, USE_GK, USE_GV)
     for i in range(0, n):
         b_q, b_k, b_v, b_do, b_a, b_b = nq, nk, nv, ndo, na, nb
-        nq, nk, nv, ndo, na, nb = _load_token(q, k, v, do, g, gk, gv, first + (i + 1) * step, i + 1 < n, i_h, i_kv,
-                                              g_gamma_h, offs_k, offs_v, mask_k, mask_v, zeros_k, zeros_v,
-                                              H, H_KV, K, V, GATED, True, HAS_G, HAS_GK, HAS_GV)
+        nq, nk, nv, ndo, na, nb = _load_token(ins, first + (i + 1) * step, i + 1 < n, a0, offs_k, offs_v,
+                                              H, H_KV, K, V, BK, BV, GATED, True, USE_G, USE_GK, USE_GV)
         tok = first + i * step
-        if HAS_K_DECAY:  # h becomes P_t = decay_t * h_{t-1}
+        if K_DECAY:  # h becomes P_t = decay_t * h_{t-1}
             h = h * tl.exp(b_a)[:, None]
-        if HAS_GV:
+        if USE_GV:
             h = h * tl.exp(b_b)[None, :]
-        if GATED and HAS_DHT:
+        if GATED and USE_DHT:
             h_decayed = h
         b_h_do = tl.sum(h * b_do[None, :], axis=1)
         b_dq = SCALE * (b_h_do + b_k * tl.sum(b_v * b_do))
-        tl.store(dq + ((i_v * total_tokens + tok) * H + i_h) * K + offs_k, b_dq, mask=mask_k)
-        if HAS_K_DECAY:
-            tl.store(q_dq + ((i_v * total_tokens + tok) * H + i_h) * K + offs_k, SCALE * b_q * b_h_do, mask=mask_k)
-        if HAS_GV:
+        tl.store(dq + tok * (H * K) + offs_k, b_dq, mask=mask_k)
+        if K_DECAY:
+            tl.store(q_dq + tok * (H * K) + offs_k, SCALE * b_q * b_h_do, mask=mask_k)
+        if USE_GV:
             b_q_h = tl.sum(h * (b_q * SCALE)[:, None], axis=0)
-            tl.store(o_do + ((i_k * total_tokens + tok) * H + i_h) * V + offs_v, b_q_h * b_do, mask=mask_v)
+            tl.store(o_do + tok * (H * V) + offs_v, b_q_h * b_do, mask=mask_v)
         h += b_k[:, None] * b_v[None, :]
 
-    if GATED and HAS_DHT:  # (zero for an empty sequence)
-        last_dh = h_decayed * tl.load(dht + state_offsets, mask=mask_h, other=0.0)
-        if HAS_K_DECAY:
-            tl.store(last_k + (i_v * num_heads_total + i_nh) * K + offs_k, tl.sum(last_dh, axis=1), mask=mask_k)
-        if HAS_GV:
-            tl.store(last_v + (i_k * num_heads_total + i_nh) * V + offs_v, tl.sum(last_dh, axis=0), mask=mask_v)
+    if GATED and USE_DHT:  # (zero for an empty sequence)
+        last_dh = h_decayed * tl.load(dht + state, mask=mask_h, other=0.0)
+        if K_DECAY:
+            tl.store(last_k + offs_k, tl.sum(last_dh, axis=1), mask=mask_k)
+        if USE_GV:
+            tl.store(last_v + offs_v, tl.sum(last_dh, axis=0), mask=mask_v)
 
 
 @triton.jit
-def _dkv_walk(
-    q, k, v, g, g_gamma, gk, gv, cu_seqlens, do, dht, dk, dv, k_dh_v, v_dh_k, dh0,
-    i_v, i_k, i_nh, seq_len, total_tokens, seqs_per_row,
-    H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    SCALE: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_K_DECAY: tl.constexpr, HAS_G: tl.constexpr, HAS_G_GAMMA: tl.constexpr,
-    HAS_GK: tl.constexpr, HAS_GV: tl.constexpr, HAS_H0: tl.constexpr, HAS_DHT: tl.constexpr,
-    REVERSE: tl.constexpr, VARLEN: tl.constexpr,
-):
+def _dkv_walk(ins, outs, dht, walk, SCALE: tl.constexpr,
+              H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+              BK: tl.constexpr, BV: tl.constexpr, K_DECAY: tl.constexpr,
+              USE_G: tl.constexpr, USE_GK: tl.constexpr, USE_GV: tl.constexpr,
+              USE_INITIAL_STATE: tl.constexpr, USE_DHT: tl.constexpr):
     # The reverse walk. `dh` carries decay_{t+1} * dH_{t+1}, the gradient reaching h_t from later
     # tokens (the final state's cotangent at the start). At token t:
     #     dH_t = dh + scale * q_t^T do_t
@@ -444,88 +449,78 @@ def _dkv_walk(
     #     dv_t = dH_t^T k_t = dh^T k_t + scale * do_t (q_t . k_t)
     # The gates' per-token terms are -k_t * (dh v_t) and -v_t * (dh^T k_t), except at the
     # sequence's last token (this walk's first), where they cancel against the final state's share.
-    i_n, i_h = i_nh // H, i_nh % H
-    i_kv = i_h // (H // H_KV)
-    bos, eos = _sequence_bounds(cu_seqlens, i_n, seq_len, seqs_per_row, VARLEN)
-    n = eos - bos
-    if REVERSE:  # this walk runs against the forward's direction
-        first, step = bos, 1
-    else:
-        first, step = eos - 1, -1
-
-    offs_k = i_k * BK + tl.arange(0, BK)
-    offs_v = i_v * BV + tl.arange(0, BV)
+    first, step, n, a0, offs_k, offs_v, state = walk
+    dk, dv, k_dh_v, v_dh_k, dh0 = outs
     mask_k, mask_v = offs_k < K, offs_v < V
     mask_h = mask_k[:, None] & mask_v[None, :]
-    state_offsets = i_nh.to(tl.int64) * K * V + offs_k[:, None] * V + offs_v[None, :]
-    zeros_k, zeros_v = tl.zeros([BK], dtype=tl.float32), tl.zeros([BV], dtype=tl.float32)
 
     dh = tl.zeros([BK, BV], dtype=tl.float32)
-    if HAS_DHT:
-        dh += tl.load(dht + state_offsets, mask=mask_h, other=0.0).to(tl.float32)
-    g_gamma_h = 0.0
-    if HAS_G_GAMMA:
-        g_gamma_h = tl.load(g_gamma + i_h).to(tl.float32)
-
-    nq, nk, nv, ndo, na, nb = _load_token(q, k, v, do, g, gk, gv, first, n > 0, i_h, i_kv, g_gamma_h,
-                                          offs_k, offs_v, mask_k, mask_v, zeros_k, zeros_v, H, H_KV, K, V,
-                                          True, True, HAS_G, HAS_GK, HAS_GV)
+    if USE_DHT:
+        dh += tl.load(dht + state, mask=mask_h, other=0.0).to(tl.float32)
+    nq, nk, nv, ndo, na, nb = _load_token(ins, first, n > 0, a0, offs_k, offs_v, H, H_KV, K, V, BK, BV,
+                                          True, True, USE_G, USE_GK, USE_GV)
     for i in range(0, n):
         b_q, b_k, b_v, b_do, b_a, b_b = nq, nk, nv, ndo, na, nb
-        nq, nk, nv, ndo, na, nb = _load_token(q, k, v, do, g, gk, gv, first + (i + 1) * step, i + 1 < n, i_h, i_kv,
-                                              g_gamma_h, offs_k, offs_v, mask_k, mask_v, zeros_k, zeros_v,
-                                              H, H_KV, K, V, True, True, HAS_G, HAS_GK, HAS_GV)
+        nq, nk, nv, ndo, na, nb = _load_token(ins, first + (i + 1) * step, i + 1 < n, a0, offs_k, offs_v,
+                                              H, H_KV, K, V, BK, BV, True, True, USE_G, USE_GK, USE_GV)
         tok = first + i * step
         b_q = b_q * SCALE
         b_dh_v = tl.sum(dh * b_v[None, :], axis=1)
         b_dh_k = tl.sum(dh * b_k[:, None], axis=0)
-        tl.store(dk + ((i_v * total_tokens + tok) * H + i_h) * K + offs_k, b_dh_v + b_q * tl.sum(b_do * b_v),
-                 mask=mask_k)
-        tl.store(dv + ((i_k * total_tokens + tok) * H + i_h) * V + offs_v, b_dh_k + b_do * tl.sum(b_q * b_k),
-                 mask=mask_v)
-        if HAS_K_DECAY:
-            tl.store(k_dh_v + ((i_v * total_tokens + tok) * H + i_h) * K + offs_k,
-                     tl.where(i > 0, -b_k * b_dh_v, 0.0), mask=mask_k)
-        if HAS_GV:
-            tl.store(v_dh_k + ((i_k * total_tokens + tok) * H + i_h) * V + offs_v,
-                     tl.where(i > 0, -b_v * b_dh_k, 0.0), mask=mask_v)
+        tl.store(dk + tok * (H * K) + offs_k, b_dh_v + b_q * tl.sum(b_do * b_v), mask=mask_k)
+        tl.store(dv + tok * (H * V) + offs_v, b_dh_k + b_do * tl.sum(b_q * b_k), mask=mask_v)
+        if K_DECAY:
+            tl.store(k_dh_v + tok * (H * K) + offs_k, tl.where(i > 0, -b_k * b_dh_v, 0.0), mask=mask_k)
+        if USE_GV:
+            tl.store(v_dh_k + tok * (H * V) + offs_v, tl.where(i > 0, -b_v * b_dh_k, 0.0), mask=mask_v)
         dh += b_q[:, None] * b_do[None, :]  # dH_t
-        if HAS_K_DECAY:  # decay_t * dH_t, for the token before
+        if K_DECAY:  # decay_t * dH_t, for the token before
             dh = dh * tl.exp(b_a)[:, None]
-        if HAS_GV:
+        if USE_GV:
             dh = dh * tl.exp(b_b)[None, :]
 
-    if HAS_H0:
-        tl.store(dh0 + state_offsets, dh, mask=mask_h)
+    if USE_INITIAL_STATE:
+        tl.store(dh0 + state, dh, mask=mask_h)
 
 
 @triton.jit
 def _backward_kernel(
     q, k, v, g, g_gamma, gk, gv, h0, cu_seqlens, do, dht,
     seq_len, total_tokens, seqs_per_row,
-    dq, q_dq, o_do, last_k, last_v, dk, dv, k_dh_v, v_dh_k, dh0,  # outputs, fp32; see _backward
-    H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    SCALE: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_K_DECAY: tl.constexpr, HAS_G: tl.constexpr, HAS_G_GAMMA: tl.constexpr,
-    HAS_GK: tl.constexpr, HAS_GV: tl.constexpr, HAS_H0: tl.constexpr, HAS_DHT: tl.constexpr,
-    REVERSE: tl.constexpr, VARLEN: tl.constexpr,
+    dq, q_dq, o_do, last_k, last_v, dk, dv, k_dh_v, v_dh_k, dh0,  # outputs, fp32; see _bwd
+    H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, SCALE: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr,
+    USE_G: tl.constexpr, USE_G_GAMMA: tl.constexpr, USE_GK: tl.constexpr, USE_GV: tl.constexpr,
+    USE_INITIAL_STATE: tl.constexpr, USE_DHT: tl.constexpr, REVERSE: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
 ):
     # The two walks of the backward do not depend on each other, so one launch runs both side by
     # side: programs 0 .. N*H - 1 (along the last grid axis) walk forwards for dq, the rest backwards
     # for dk, dv and d initial_state. Each walk is latency-bound, so together they take about as
     # long as one.
+    K_DECAY: tl.constexpr = USE_G or USE_G_GAMMA or USE_GK
     i_v, i_k, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    num_heads_total = tl.num_programs(2) // 2
-    if i_nh < num_heads_total:
-        _dq_walk(q, k, v, g, g_gamma, gk, gv, h0, cu_seqlens, do, dht, dq, q_dq, o_do, last_k, last_v,
-                  i_v, i_k, i_nh, num_heads_total, seq_len, total_tokens, seqs_per_row,
-                  H, H_KV, K, V, SCALE, BK, BV,
-                  HAS_K_DECAY, HAS_G, HAS_G_GAMMA, HAS_GK, HAS_GV, HAS_H0, HAS_DHT, REVERSE, VARLEN)
+    num_walks = tl.num_programs(2) // 2
+    if i_nh < num_walks:
+        i_h, dq_walk = _walk_start(cu_seqlens, g_gamma, i_v, i_k, i_nh, seq_len, seqs_per_row,
+                                   H, K, V, BK, BV, USE_G_GAMMA, REVERSE, IS_VARLEN)
+        rows_k = (i_v.to(tl.int64) * total_tokens * H + i_h) * K  # partials over V tiles, head i_h
+        rows_v = (i_k.to(tl.int64) * total_tokens * H + i_h) * V  # partials over K tiles
+        _dq_walk(_head_inputs(q, k, v, do, g, gk, gv, i_h, H, H_KV, K, V),
+                 (dq + rows_k, q_dq + rows_k, o_do + rows_v,
+                  last_k + (i_v.to(tl.int64) * num_walks + i_nh) * K,
+                  last_v + (i_k.to(tl.int64) * num_walks + i_nh) * V),
+                 h0, dht, dq_walk, SCALE, H, H_KV, K, V, BK, BV, K_DECAY, USE_G, USE_GK, USE_GV,
+                 USE_INITIAL_STATE, USE_DHT)
     else:
-        _dkv_walk(q, k, v, g, g_gamma, gk, gv, cu_seqlens, do, dht, dk, dv, k_dh_v, v_dh_k, dh0,
-                   i_v, i_k, i_nh - num_heads_total, seq_len, total_tokens, seqs_per_row,
-                   H, H_KV, K, V, SCALE, BK, BV,
-                   HAS_K_DECAY, HAS_G, HAS_G_GAMMA, HAS_GK, HAS_GV, HAS_H0, HAS_DHT, REVERSE, VARLEN)
+        i_h, dkv_walk = _walk_start(cu_seqlens, g_gamma, i_v, i_k, i_nh - num_walks, seq_len, seqs_per_row,
+                                    H, K, V, BK, BV, USE_G_GAMMA, not REVERSE, IS_VARLEN)
+        rows_k = (i_v.to(tl.int64) * total_tokens * H + i_h) * K
+        rows_v = (i_k.to(tl.int64) * total_tokens * H + i_h) * V
+        _dkv_walk(_head_inputs(q, k, v, do, g, gk, gv, i_h, H, H_KV, K, V),
+                  (dk + rows_k, dv + rows_v, k_dh_v + rows_k, v_dh_k + rows_v, dh0),
+                  dht, dkv_walk, SCALE, H, H_KV, K, V, BK, BV, K_DECAY, USE_G, USE_GK, USE_GV,
+                  USE_INITIAL_STATE, USE_DHT)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -575,12 +570,17 @@ class RecurrentConfig:
 
 
 def _flags(g, g_gamma, gk, gv, initial_state, reverse, cu_seqlens) -> dict[str, bool]:
+    """The kernels' flags: which optional inputs there are, the direction, packing."""
     return dict(
-        HAS_K_DECAY=g is not None or g_gamma is not None or gk is not None,
-        HAS_G=g is not None, HAS_G_GAMMA=g_gamma is not None, HAS_GK=gk is not None,
-        HAS_GV=gv is not None, HAS_H0=initial_state is not None,
-        REVERSE=bool(reverse), VARLEN=cu_seqlens is not None,
+        USE_G=g is not None, USE_G_GAMMA=g_gamma is not None, USE_GK=gk is not None,
+        USE_GV=gv is not None, USE_INITIAL_STATE=initial_state is not None,
+        REVERSE=bool(reverse), IS_VARLEN=cu_seqlens is not None,
     )
+
+
+def _gated(flags: dict[str, bool]) -> tuple[bool, bool]:
+    """Whether the state decays along K (g, g_gamma or gk) and along V (gv)."""
+    return flags["USE_G"] or flags["USE_G_GAMMA"] or flags["USE_GK"], flags["USE_GV"]
 
 
 def _or_stand_in(x: Array | None, dtype=jnp.float32) -> Array:
@@ -694,7 +694,7 @@ def _backward_launch(scale, reverse, config, query, key, value, g, g_gamma, gk, 
     _check_grid(2 * num_seqs * num_heads)
     f32 = jnp.float32
     flags = _flags(g, g_gamma, gk, gv, initial_state, reverse, cu_seqlens)
-    gated_k, gated_v = flags["HAS_K_DECAY"], flags["HAS_GV"]
+    gated_k, gated_v = _gated(flags)
     has_dht = d_final_state is not None
     last_needed = has_dht and (gated_k or gated_v)
     block_k, block_v, num_warps = config.blocks("bwd", key_dim, value_dim)
@@ -721,7 +721,7 @@ def _backward_launch(scale, reverse, config, query, key, value, g, g_gamma, gk, 
                                         if initial_state is not None else (1,), f32)],
         grid=(num_v_tiles, num_k_tiles, 2 * num_seqs * num_heads), num_warps=num_warps,
         H=num_heads, H_KV=num_kv_heads, K=key_dim, V=value_dim, SCALE=float(scale),
-        BK=block_k, BV=block_v, HAS_DHT=has_dht, **flags,
+        BK=block_k, BV=block_v, USE_DHT=has_dht, **flags,
     )
 
 
@@ -739,7 +739,7 @@ def _bwd(scale, reverse, config, residuals, cotangents):
     state_shape = (num_seqs, num_heads, key_dim, value_dim)
     f32 = jnp.float32
     flags = _flags(g, g_gamma, gk, gv, initial_state, reverse, cu_seqlens)
-    gated_k, gated_v = flags["HAS_K_DECAY"], flags["HAS_GV"]
+    gated_k, gated_v = _gated(flags)
 
     if num_seqs * num_heads * key_dim * value_dim == 0 or total_tokens == 0:
         # Nothing was walked: the state passed straight through, and nothing reached o.
