@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array, lax
 
-from ejk_lite.checks import concrete_value, static_int
+from ejk_lite.checks import check_index_array, concrete_value, static_int
 
 # Kernels index tokens with int32; offsets beyond it cannot describe a real array anyway.
 INT32_MAX = 2**31 - 1
@@ -59,8 +59,7 @@ def validate_cu_seqlens(cu_seqlens: Any, total_tokens: int | None = None, name: 
     if not hasattr(cu_seqlens, "shape") or len(cu_seqlens.shape) != 1 or cu_seqlens.shape[0] < 1:
         raise ValueError(f"{name} must be a 1-D array [0, len_0, len_0 + len_1, ...], "
                          f"got shape {getattr(cu_seqlens, 'shape', None)}")
-    if not jnp.issubdtype(cu_seqlens.dtype, jnp.integer):
-        raise ValueError(f"{name} must have an integer dtype, got {cu_seqlens.dtype}")
+    check_index_array(cu_seqlens, name)
     values = concrete_value(cu_seqlens)
     if values is None:
         return
