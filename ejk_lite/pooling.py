@@ -643,6 +643,127 @@ _block_pool_triton.defvjp(_block_fwd, _block_bwd)
 
 
 # ----------------------------------------------------------------------------------------------
+# XLA implementations (plain jnp; JAX differentiates them).
+# ----------------------------------------------------------------------------------------------
+
+
+def _mean_pooling_xla(x: Array, x2d: Array, cu: Any, padded: bool) -> Array:
+    if padded:
+        return jnp.mean(x, axis=1, dtype=jnp.float32).astype(x.dtype)
+    num_tokens = x2d.shape[0]
+    cu = sanitize_cu_seqlens(cu, num_tokens)  # as the kernels see it: the same answer on garbage
+    seq_ids = prepare_sequence_ids(cu, total_tokens=num_tokens)  # -1 past cu_seqlens[-1]: dropped
+    sums = jax.ops.segment_sum(x2d.astype(jnp.float32), seq_ids, num_segments=cu.shape[0] - 1)
+    lens = jnp.maximum(prepare_lens(cu), 1).astype(jnp.float32)
+    return (sums / lens[:, None]).astype(x.dtype)
+
+
+def _block_mean_pooling_xla(x, x2d, cu, block_size, total_blocks, padded) -> Array:
+    if padded:
+        batch, seq_len = x.shape[:2]
+        blocks = cdiv(seq_len, block_size)
+        x3 = x2d.reshape(batch, seq_len, -1).astype(jnp.float32)
+        x4 = jnp.pad(x3, ((0, 0), (0, blocks * block_size - seq_len), (0, 0))).reshape(batch, blocks, block_size, -1)
+        lens = np.minimum(block_size, seq_len - block_size * np.arange(blocks))  # static
+        return (x4.sum(axis=2) / lens[None, :, None].astype(np.float32)).astype(x.dtype)
+    num_tokens = x2d.shape[0]
+    cu = sanitize_cu_seqlens(cu, num_tokens)  # as the kernels see it: the same answer on garbage
+    seq_ids = prepare_sequence_ids(cu, total_tokens=num_tokens)
+    positions = prepare_position_ids(cu, total_tokens=num_tokens)
+    offsets = prepare_chunk_offsets(cu, block_size)
+    block_ids = jnp.where(seq_ids >= 0, offsets[jnp.maximum(seq_ids, 0)] + positions // block_size, -1)
+    sums = jax.ops.segment_sum(x2d.astype(jnp.float32), block_ids, num_segments=total_blocks)
+    counts = jax.ops.segment_sum(jnp.ones((num_tokens,), jnp.float32), block_ids, num_segments=total_blocks)
+    return (sums / jnp.maximum(counts, 1.0)[:, None]).astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# References: naive loops over concrete cu_seqlens, for tests and the book.
+# ----------------------------------------------------------------------------------------------
+
+
+def _mean_rows(rows: Array, dtype: Any) -> Array:
+    """Mean of ``rows`` over axis 0 in at least float32, cast to ``dtype``; zeros if empty."""
+    if rows.shape[0] == 0:
+        return jnp.zeros(rows.shape[1:], dtype)
+    return jnp.mean(rows.astype(jnp.promote_types(rows.dtype, jnp.float32)), axis=0).astype(dtype)
+
+
+def _sequences(x: Array, cu_seqlens: Any) -> list[Array]:
+    if cu_seqlens is None:
+        return [x[b] for b in range(x.shape[0])]
+    cu = np.asarray(cu_seqlens)
+    return [x[cu[i]:cu[i + 1]] for i in range(len(cu) - 1)]
+
+
+def reference(x: Array, cu_seqlens: Any = None) -> Array:
+    """``mean_pooling`` as a Python loop over sequences (needs a concrete ``cu_seqlens``)."""
+    rest = x.shape[2:] if cu_seqlens is None else x.shape[1:]
+    seqs = _sequences(x, cu_seqlens)
+    return jnp.stack([_mean_rows(s, x.dtype) for s in seqs]) if seqs else jnp.zeros((0, *rest), x.dtype)
+
+
+def reference_blocks(x: Array, block_size: int, cu_seqlens: Any = None) -> Array:
+    """``block_mean_pooling`` as a Python loop over sequences and blocks (concrete ``cu_seqlens``)."""
+    rest = x.shape[2:] if cu_seqlens is None else x.shape[1:]
+    per_seq = [[_mean_rows(s[i:i + block_size], x.dtype) for i in range(0, s.shape[0], block_size)]
+               for s in _sequences(x, cu_seqlens)]
+    if cu_seqlens is None:
+        return jnp.stack([jnp.stack(blocks) if blocks else jnp.zeros((0, *rest), x.dtype) for blocks in per_seq])
+    blocks = [b for seq in per_seq for b in seq]
+    return jnp.stack(blocks) if blocks else jnp.zeros((0, *rest), x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Argument checks and shape plumbing.
+# ----------------------------------------------------------------------------------------------
+
+
+def _resolve_impl(impl: str, x: Any) -> str:
+    impl = resolve_impl(impl)
+    check_floating(x, "x")
+    if impl == "triton":
+        check_triton_dtype(x, "x")
+    return impl
+
+
+def _as_packed(x: Array, cu_seqlens: Any, fn: str) -> tuple[Array, Any, tuple[int, ...], bool]:
+    """``x`` as a ``(tokens, F)`` matrix, the ``cu_seqlens`` that describes it, the feature axes
+    ``rest`` and whether ``x`` was padded. A padded batch gets a NumPy ``[0, T, 2T, ...]``."""
+    if cu_seqlens is None:
+        if x.ndim < 3:
+            raise ValueError(f"{fn}: x must be padded (batch, seq_len, hidden, ...) without cu_seqlens, "
+                             f"got shape {x.shape}; pass cu_seqlens for a packed (total_tokens, hidden) x")
+        batch, seq_len, rest = x.shape[0], x.shape[1], x.shape[2:]
+        return (x.reshape(batch * seq_len, math.prod(rest)), np.arange(batch + 1, dtype=np.int32) * seq_len,
+                rest, True)
+    if x.ndim < 2:
+        raise ValueError(f"{fn}: with cu_seqlens, x must be packed (total_tokens, hidden, ...), got shape {x.shape}")
+    if x.ndim >= 3 and x.shape[0] == 1:
+        raise ValueError(f"{fn}: with cu_seqlens, x must be packed (total_tokens, hidden, ...) with no batch "
+                         f"axis, got shape {x.shape}; pass x[0]")
+    cu = checked_cu_seqlens(cu_seqlens, x.shape[0])  # values checked if concrete
+    rest = x.shape[1:]
+    return x.reshape(x.shape[0], math.prod(rest)), cu, rest, False
+
+
+def _count_blocks(cu: Any, block_size: int, total_blocks: int | None) -> int:
+    values = concrete_value(cu)
+    if values is None:
+        if total_blocks is None:
+            raise ValueError("block_mean_pooling: the number of blocks depends on the values of cu_seqlens, "
+                             "which are not known under jax.jit; pass it as a static argument total_blocks=...")
+        return total_blocks
+    true_count = int(cdiv(np.diff(values.astype(np.int64)), block_size).sum())
+    if total_blocks is None:
+        return true_count
+    if total_blocks < true_count:
+        raise ValueError(f"total_blocks={total_blocks} is fewer than the {true_count} blocks cu_seqlens makes "
+                         f"with block_size={block_size}")
+    return total_blocks
+
+
+# ----------------------------------------------------------------------------------------------
 # The public functions.
 # ----------------------------------------------------------------------------------------------
 
@@ -784,124 +905,3 @@ def block_mean_pooling(
     num_stages = config.fwd_num_stages if config is not None and config.fwd_num_stages else 1
     plan = _BlockPlan(block_size, block_hidden, num_stages, tail_programs, tail_tokens, tiles)
     return _block_pool_triton(x2d[None], cu, block_index, plan).reshape(out_shape)
-
-
-# ----------------------------------------------------------------------------------------------
-# XLA implementations (plain jnp; JAX differentiates them).
-# ----------------------------------------------------------------------------------------------
-
-
-def _mean_pooling_xla(x: Array, x2d: Array, cu: Any, padded: bool) -> Array:
-    if padded:
-        return jnp.mean(x, axis=1, dtype=jnp.float32).astype(x.dtype)
-    num_tokens = x2d.shape[0]
-    cu = sanitize_cu_seqlens(cu, num_tokens)  # as the kernels see it: the same answer on garbage
-    seq_ids = prepare_sequence_ids(cu, total_tokens=num_tokens)  # -1 past cu_seqlens[-1]: dropped
-    sums = jax.ops.segment_sum(x2d.astype(jnp.float32), seq_ids, num_segments=cu.shape[0] - 1)
-    lens = jnp.maximum(prepare_lens(cu), 1).astype(jnp.float32)
-    return (sums / lens[:, None]).astype(x.dtype)
-
-
-def _block_mean_pooling_xla(x, x2d, cu, block_size, total_blocks, padded) -> Array:
-    if padded:
-        batch, seq_len = x.shape[:2]
-        blocks = cdiv(seq_len, block_size)
-        x3 = x2d.reshape(batch, seq_len, -1).astype(jnp.float32)
-        x4 = jnp.pad(x3, ((0, 0), (0, blocks * block_size - seq_len), (0, 0))).reshape(batch, blocks, block_size, -1)
-        lens = np.minimum(block_size, seq_len - block_size * np.arange(blocks))  # static
-        return (x4.sum(axis=2) / lens[None, :, None].astype(np.float32)).astype(x.dtype)
-    num_tokens = x2d.shape[0]
-    cu = sanitize_cu_seqlens(cu, num_tokens)  # as the kernels see it: the same answer on garbage
-    seq_ids = prepare_sequence_ids(cu, total_tokens=num_tokens)
-    positions = prepare_position_ids(cu, total_tokens=num_tokens)
-    offsets = prepare_chunk_offsets(cu, block_size)
-    block_ids = jnp.where(seq_ids >= 0, offsets[jnp.maximum(seq_ids, 0)] + positions // block_size, -1)
-    sums = jax.ops.segment_sum(x2d.astype(jnp.float32), block_ids, num_segments=total_blocks)
-    counts = jax.ops.segment_sum(jnp.ones((num_tokens,), jnp.float32), block_ids, num_segments=total_blocks)
-    return (sums / jnp.maximum(counts, 1.0)[:, None]).astype(x.dtype)
-
-
-# ----------------------------------------------------------------------------------------------
-# References: naive loops over concrete cu_seqlens, for tests and the book.
-# ----------------------------------------------------------------------------------------------
-
-
-def _mean_rows(rows: Array, dtype: Any) -> Array:
-    """Mean of ``rows`` over axis 0 in at least float32, cast to ``dtype``; zeros if empty."""
-    if rows.shape[0] == 0:
-        return jnp.zeros(rows.shape[1:], dtype)
-    return jnp.mean(rows.astype(jnp.promote_types(rows.dtype, jnp.float32)), axis=0).astype(dtype)
-
-
-def _sequences(x: Array, cu_seqlens: Any) -> list[Array]:
-    if cu_seqlens is None:
-        return [x[b] for b in range(x.shape[0])]
-    cu = np.asarray(cu_seqlens)
-    return [x[cu[i]:cu[i + 1]] for i in range(len(cu) - 1)]
-
-
-def reference(x: Array, cu_seqlens: Any = None) -> Array:
-    """``mean_pooling`` as a Python loop over sequences (needs a concrete ``cu_seqlens``)."""
-    rest = x.shape[2:] if cu_seqlens is None else x.shape[1:]
-    seqs = _sequences(x, cu_seqlens)
-    return jnp.stack([_mean_rows(s, x.dtype) for s in seqs]) if seqs else jnp.zeros((0, *rest), x.dtype)
-
-
-def reference_blocks(x: Array, block_size: int, cu_seqlens: Any = None) -> Array:
-    """``block_mean_pooling`` as a Python loop over sequences and blocks (concrete ``cu_seqlens``)."""
-    rest = x.shape[2:] if cu_seqlens is None else x.shape[1:]
-    per_seq = [[_mean_rows(s[i:i + block_size], x.dtype) for i in range(0, s.shape[0], block_size)]
-               for s in _sequences(x, cu_seqlens)]
-    if cu_seqlens is None:
-        return jnp.stack([jnp.stack(blocks) if blocks else jnp.zeros((0, *rest), x.dtype) for blocks in per_seq])
-    blocks = [b for seq in per_seq for b in seq]
-    return jnp.stack(blocks) if blocks else jnp.zeros((0, *rest), x.dtype)
-
-
-# ----------------------------------------------------------------------------------------------
-# Argument checks and shape plumbing.
-# ----------------------------------------------------------------------------------------------
-
-
-def _resolve_impl(impl: str, x: Any) -> str:
-    impl = resolve_impl(impl)
-    check_floating(x, "x")
-    if impl == "triton":
-        check_triton_dtype(x, "x")
-    return impl
-
-
-def _as_packed(x: Array, cu_seqlens: Any, fn: str) -> tuple[Array, Any, tuple[int, ...], bool]:
-    """``x`` as a ``(tokens, F)`` matrix, the ``cu_seqlens`` that describes it, the feature axes
-    ``rest`` and whether ``x`` was padded. A padded batch gets a NumPy ``[0, T, 2T, ...]``."""
-    if cu_seqlens is None:
-        if x.ndim < 3:
-            raise ValueError(f"{fn}: x must be padded (batch, seq_len, hidden, ...) without cu_seqlens, "
-                             f"got shape {x.shape}; pass cu_seqlens for a packed (total_tokens, hidden) x")
-        batch, seq_len, rest = x.shape[0], x.shape[1], x.shape[2:]
-        return (x.reshape(batch * seq_len, math.prod(rest)), np.arange(batch + 1, dtype=np.int32) * seq_len,
-                rest, True)
-    if x.ndim < 2:
-        raise ValueError(f"{fn}: with cu_seqlens, x must be packed (total_tokens, hidden, ...), got shape {x.shape}")
-    if x.ndim >= 3 and x.shape[0] == 1:
-        raise ValueError(f"{fn}: with cu_seqlens, x must be packed (total_tokens, hidden, ...) with no batch "
-                         f"axis, got shape {x.shape}; pass x[0]")
-    cu = checked_cu_seqlens(cu_seqlens, x.shape[0])  # values checked if concrete
-    rest = x.shape[1:]
-    return x.reshape(x.shape[0], math.prod(rest)), cu, rest, False
-
-
-def _count_blocks(cu: Any, block_size: int, total_blocks: int | None) -> int:
-    values = concrete_value(cu)
-    if values is None:
-        if total_blocks is None:
-            raise ValueError("block_mean_pooling: the number of blocks depends on the values of cu_seqlens, "
-                             "which are not known under jax.jit; pass it as a static argument total_blocks=...")
-        return total_blocks
-    true_count = int(cdiv(np.diff(values.astype(np.int64)), block_size).sum())
-    if total_blocks is None:
-        return true_count
-    if total_blocks < true_count:
-        raise ValueError(f"total_blocks={total_blocks} is fewer than the {true_count} blocks cu_seqlens makes "
-                         f"with block_size={block_size}")
-    return total_blocks
