@@ -18,8 +18,10 @@ and says so.
 **One convention inside every op** (cumsum, mean pooling, recurrent): a packed input is
 ``[rows, T, ...]``, ``rows`` independent copies of the token axis that all share one
 ``cu_seqlens``; token ``t`` of row ``r`` sits at ``r * T + t``. Each kernel walks the sequences
-``cu_seqlens[i]:cu_seqlens[i + 1]`` of every row, and a padded (unpacked) batch is the case
-without ``cu_seqlens``, every row one sequence of ``T`` tokens. Why rows: ``jax.vmap`` folds a
+``cu_seqlens[i]:cu_seqlens[i + 1]`` of every row. A padded (unpacked) batch is the case
+without ``cu_seqlens``, every row one sequence of ``T`` tokens (mean pooling instead packs it
+into one row with ``cu_seqlens = [0, T, 2T, ...]``: its kernels split tokens, not sequences,
+between programs). Why rows: ``jax.vmap`` folds a
 mapped axis into the rows (:func:`ejk_lite.launch.vmap_by_folding`), so a batch of packed inputs
 is still one launch; and it is flash-linear-attention's ``[1, T, ...]`` layout with the ``1``
 allowed to grow. What callers pass is unchanged: ``[1, T, ...]`` for the cumsums and
