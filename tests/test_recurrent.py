@@ -146,6 +146,26 @@ def test_xla_and_triton_agree_on_every_gradient(rng, packed):
         assert rel_err(b, np.asarray(a, np.float64)) <= TOLERANCE["float32"], name
 
 
+def test_xla_impl_under_vmap_grad_and_jit(rng):
+    """impl="xla" composes like the kernels: vmap (cu_seqlens mapped too) of jit of grad equals a
+    loop over the elements."""
+    lengths = [[3, 0, 6], [1, 7, 1]]
+    cus = jnp.asarray([np.concatenate([[0], np.cumsum(lens)]) for lens in lengths], jnp.int32)
+    inputs = [make_inputs(rng, batch=1, seq_len=10, gates=ALL_GATES, num_states=3) for _ in lengths]
+    names = list(inputs[0])
+    stacked = [jnp.asarray(np.stack([x[name] for x in inputs]), jnp.float32) for name in names]
+
+    def loss(arrays, cu_seqlens):
+        o, state = recurrent(**dict(zip(names, arrays)), cu_seqlens=cu_seqlens, impl="xla")
+        return jnp.sum(o ** 2) + jnp.sum(state)
+
+    grads = jax.vmap(jax.jit(jax.grad(loss)))(stacked, cus)
+    for i in range(len(lengths)):
+        expected = jax.grad(loss)([x[i] for x in stacked], cus[i])
+        for name, got, want in zip(names, grads, expected):
+            assert rel_err(got[i], np.asarray(want, np.float64)) <= TOLERANCE["float32"], name
+
+
 def test_float64_takes_the_xla_path(rng):
     """The kernels accumulate in float32: float64 is refused by impl="triton" (a ValueError naming
     the argument), and computed in float64 by impl="xla"."""
