@@ -355,3 +355,15 @@ def test_cu_seqlens_that_would_wrap_are_refused(rng, bad, match):
         for impl in IMPLS:
             with pytest.raises(ValueError, match=f"cu_seqlens.*{match}"):
                 run(op, x, impl, cu_seqlens=bad)
+
+
+def test_default_config_is_the_autotuners_first():
+    """CumsumConfig() pins what the interpreter runs with config=None: each kernel's first
+    autotune config (the local kernel's token block is min(64, chunk_size) either way)."""
+    import ejk_lite.cumsum as cumsum
+
+    config = CumsumConfig()
+    first = cumsum._GLOBAL_CONFIGS[0]
+    assert (config.block_t, config.block_c, config.num_warps, config.num_stages) == \
+        (first.kwargs["BLOCK_T"], first.kwargs["BLOCK_C"], first.num_warps, first.num_stages)
+    assert cumsum._LOCAL_CONFIGS[0].kwargs["BLOCK_C"] == config.block_c

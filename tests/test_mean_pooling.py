@@ -370,3 +370,12 @@ def test_cu_seqlens_that_would_wrap_are_refused(rng, bad, match):
             mean_pooling(x, 4, bad, impl=impl)
         with pytest.raises(ValueError, match=f"cu_seqlens.*{match}"):
             block_mean_pooling(x, 4, bad, impl=impl)
+
+
+def test_default_config_is_the_measured_one():
+    """config=None keeps the settings measured on an H100 (bench/mean_pooling.py): a change here
+    changes GPU speed, so it must be deliberate."""
+    plan = pooling._plan(32, 65536, 4096, 64, None, None)
+    assert (plan.block_tokens, plan.block_hidden, plan.tile_tokens, plan.grad_tile_tokens) == (32, 256, 1024, 256)
+    assert (plan.num_warps, plan.num_stages, plan.bwd_num_warps, plan.has_pieces) == (4, 3, 4, True)
+    assert pooling._plan(32, 65536, 4096, 64, None, pooling.PoolingConfig()) == plan
