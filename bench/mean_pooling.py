@@ -24,6 +24,7 @@ Checks, before timing: forward outputs against float64 NumPy on the host; gradie
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import itertools
 import sys
@@ -46,8 +47,8 @@ from common import (  # noqa: E402
     write_result,
 )
 
-pooling = importlib.import_module("ejk_lite.mean_pooling")
-Tiling = pooling.Tiling
+pooling = importlib.import_module("ejk_lite.pooling")
+PoolingConfig = pooling.PoolingConfig
 
 BLOCK_SIZE = 64
 SWEEP_BUDGET_S = 40  # the whole script must stay under ~3 minutes on an H100
@@ -144,24 +145,25 @@ def gradient_checker(dout, bounds: np.ndarray, num_tokens: int):
 # ----------------------------------------------------------------------------------------------
 
 
-def pooled_fn(case: dict, impl: str, block_size: int | None, chunk_size: int, tiling: Tiling | None):
+def pooled_fn(case: dict, impl: str, block_size: int | None, chunk_size: int,
+              config: PoolingConfig | None):
     """A jitted ``f(x, cu_seqlens)`` (cu_seqlens traced for packed input)."""
     num_blocks = None if block_size is None or case["cu"] is None else len(segments(case["cu"], block_size))
 
     def f(x, cu_seqlens):
         if block_size is None:
-            return pooling.mean_pooling(x, chunk_size, cu_seqlens, impl=impl, tiling=tiling)
+            return pooling.mean_pooling(x, chunk_size, cu_seqlens, impl=impl, config=config)
         return pooling.block_mean_pooling(x, block_size, cu_seqlens, chunk_size, total_blocks=num_blocks,
-                                          impl=impl, tiling=tiling)
+                                          impl=impl, config=config)
 
     return jax.jit(f)
 
 
-def measure(case, impl, block_size, copy_gbs, chunk_size=32, tiling=None, check=True) -> list[dict]:
+def measure(case, impl, block_size, copy_gbs, chunk_size=32, config=None, check=True) -> list[dict]:
     x = case["x"]
     cu = None if case["cu"] is None else jnp.asarray(case["cu"])
     kind = "blocks" if block_size is not None else "mean"
-    f = pooled_fn(case, impl, block_size, chunk_size, tiling)
+    f = pooled_fn(case, impl, block_size, chunk_size, config)
 
     out = f(x, cu)
     fwd_err = relative_error(out.reshape(case[f"ref_{kind}"].shape), case[f"ref_{kind}"]) if check else None
@@ -189,16 +191,18 @@ def measure(case, impl, block_size, copy_gbs, chunk_size=32, tiling=None, check=
 # ----------------------------------------------------------------------------------------------
 
 
-def tiling_variants(quick: bool) -> list[tuple[int, Tiling]]:
-    """(chunk_size, Tiling) pairs to sweep for mean_pooling; None fields use the defaults.
+def tiling_variants(quick: bool) -> list[tuple[int, PoolingConfig]]:
+    """(chunk_size, PoolingConfig) pairs to sweep for mean_pooling; fields left out are the defaults.
 
     Short on purpose: the defaults came from a wider sweep on an H100 (see the module docstring
     of ``ejk_lite.mean_pooling``); these show the neighbours of the defaults."""
     if quick:
-        return [(32, Tiling()), (32, Tiling(tokens_per_program=64, num_stages=1)),
-                (8, Tiling(block_hidden=16, tokens_per_program=24))]
-    return [(32, Tiling()), (32, Tiling(num_stages=1)), (32, Tiling(tokens_per_program=256)),
-            (16, Tiling(block_hidden=128))]
+        return [(32, PoolingConfig()),
+                (32, PoolingConfig(fwd_tile_tokens=64, bwd_tile_tokens=64, fwd_num_stages=1)),
+                (8, PoolingConfig(block_hidden=16, fwd_tile_tokens=24, bwd_tile_tokens=24))]
+    return [(32, PoolingConfig()), (32, PoolingConfig(fwd_num_stages=1)),
+            (32, PoolingConfig(fwd_tile_tokens=256, bwd_tile_tokens=256)),
+            (16, PoolingConfig(block_hidden=128))]
 
 
 def main() -> None:
@@ -225,13 +229,14 @@ def main() -> None:
 
     sweep = []
     started = time.perf_counter()
-    for case, (chunk_size, tiling) in itertools.product(cases, tiling_variants(args.quick)):
+    for case, (chunk_size, config) in itertools.product(cases, tiling_variants(args.quick)):
         if time.perf_counter() - started > SWEEP_BUDGET_S:
             print(f"tiling sweep stopped after {SWEEP_BUDGET_S} s")
             break
-        label = ", ".join([f"chunk_size={chunk_size}"] + [f"{k}={v}" for k, v in tiling._asdict().items()
-                                                          if v is not None])
-        sweep += [{**r, "variant": label} for r in measure(case, "triton", None, copy_gbs, chunk_size, tiling)]
+        changed = [f"{f.name}={getattr(config, f.name)}" for f in dataclasses.fields(config)
+                   if getattr(config, f.name) != f.default]
+        label = ", ".join([f"chunk_size={chunk_size}"] + changed)
+        sweep += [{**r, "variant": label} for r in measure(case, "triton", None, copy_gbs, chunk_size, config)]
 
     # Speed-ups over XLA for the same case and direction.
     for r in rows:

@@ -15,6 +15,7 @@ it is timed on a shorter sequence and scaled to T. The JSON says which (``scan_t
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 
@@ -38,7 +39,11 @@ from common import (  # noqa: E402
     wall_ms,
     write_result,
 )
-from ejk_lite.recurrent import recurrent, reference  # noqa: E402
+from ejk_lite.linear_attention import reference  # noqa: E402
+from ejk_lite.linear_attention import recurrent as _recurrent  # noqa: E402
+
+# The kernels, also in --quick runs on a CPU (where impl="auto" would pick the reference).
+recurrent = functools.partial(_recurrent, impl="triton")
 
 SHAPES = [dict(batch=4, seq_len=4096, heads=16, dim=128), dict(batch=1, seq_len=32768, heads=8, dim=64)]
 QUICK_SHAPES = [dict(batch=1, seq_len=24, heads=2, dim=16)]

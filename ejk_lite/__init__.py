@@ -2,6 +2,12 @@
 
 Importing the package settles how kernels run: through jax-triton on a CUDA GPU, or through
 Triton's interpreter on a machine without one (see :mod:`ejk_lite.launch`).
+
+Every op lives in a module whose name is not the op's: ``ejk_lite.cumsum`` (``chunk_local_cumsum``,
+``chunk_global_cumsum``), ``ejk_lite.pooling`` (``mean_pooling``, ``block_mean_pooling``),
+``ejk_lite.linear_attention`` (``recurrent``), ``ejk_lite.attention`` (``blocksparse_attention``);
+so ``import ejk_lite.pooling as m`` gives the module, with its ``reference``. Shared argument checks
+live in ``ejk_lite.checks``.
 """
 
 from ejk_lite.launch import INTERPRETER, ON_GPU, triton_call  # first: settles TRITON_INTERPRET
@@ -18,9 +24,9 @@ from ejk_lite.packing import (
     prepare_token_indices,
     validate_cu_seqlens,
 )
-from ejk_lite.cumsum import chunk_global_cumsum, chunk_local_cumsum
-from ejk_lite.mean_pooling import block_mean_pooling, mean_pooling
-from ejk_lite.recurrent import recurrent
+from ejk_lite.cumsum import CumsumConfig, chunk_global_cumsum, chunk_local_cumsum
+from ejk_lite.pooling import PoolingConfig, block_mean_pooling, mean_pooling
+from ejk_lite.linear_attention import RecurrentConfig, recurrent
 from ejk_lite.masking import BlockMask, intersection, make_block_mask, union
 from ejk_lite.attention import BlockSizes, blocksparse_attention
 

@@ -1,4 +1,4 @@
-"""Argument checks shared by the ops: static numbers and floating-point arrays.
+"""Argument checks shared by every op: static numbers, configs, `impl`, dtypes and index arrays.
 
 Every op takes some arguments that are *static*: Python numbers that pick a kernel's tiles, loop
 bounds or constants, fixed while ``jax.jit`` traces. NumPy scalars (``np.int64(8)``, what indexing
@@ -11,6 +11,7 @@ always a mistake for a size. Every error is a ``ValueError`` that names the argu
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from typing import Any
 
@@ -68,3 +69,112 @@ def check_floating(x: Any, name: str, optional: bool = False) -> None:
         raise ValueError(f"{name} must be an array, got {type(x).__name__}")
     if not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(f"{name} must have a floating dtype, got {dtype}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Static ints that pick tiles: positive, powers of two.
+# ----------------------------------------------------------------------------------------------
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two ``>= n`` (1 for ``n <= 1``); a Python int, for tile sizes."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def power_of_two(value: Any, name: str) -> int:
+    """``value`` as a Python ``int`` if it is a positive power of two (``tl.arange`` sizes are)."""
+    value = static_int(value, name, minimum=1)
+    if value & (value - 1):
+        raise ValueError(f"{name} must be a positive power of two, got {value!r}")
+    return value
+
+
+def optional_int(value: Any, name: str, minimum: int = 1, power_of_2: bool = False) -> int | None:
+    """``None``, or ``value`` checked as :func:`static_int` (and :func:`power_of_two`)."""
+    if value is None:
+        return None
+    return power_of_two(value, name) if power_of_2 else static_int(value, name, minimum=minimum)
+
+
+def validated_fields(config: Any, powers_of_two: tuple[str, ...] = ()) -> dict[str, int | None]:
+    """The fields of a config dataclass, each ``None`` or a static int ``>= 1`` (a power of two
+    when named in ``powers_of_two``), as Python ints; a ``ValueError`` names the bad field
+    (``"RecurrentConfig.block_k must be ..."``). The ops' frozen configs call this from their
+    ``__post_init__``, so an invalid config cannot be built at all."""
+    cls = type(config).__name__
+    return {f.name: optional_int(getattr(config, f.name), f"{cls}.{f.name}",
+                                 power_of_2=f.name in powers_of_two)
+            for f in dataclasses.fields(config)}
+
+
+def freeze_fields(config: Any, values: dict[str, Any]) -> None:
+    """Store checked values on a frozen dataclass (from its ``__post_init__``)."""
+    for name, value in values.items():
+        object.__setattr__(config, name, value)
+
+
+def check_config(config: Any, cls: type, name: str = "config") -> Any:
+    """``config`` if it is ``None`` or a ``cls``; a ``ValueError`` naming ``name`` otherwise."""
+    if config is not None and not isinstance(config, cls):
+        raise ValueError(f"{name} must be a {cls.__name__} or None, got {config!r}")
+    return config
+
+
+# ----------------------------------------------------------------------------------------------
+# Which implementation runs, and what Triton takes.
+# ----------------------------------------------------------------------------------------------
+
+IMPLS = ("auto", "xla", "triton")
+
+#: Input dtypes the Triton kernels take: they accumulate in float32, so float64 would lose bits
+#: silently (use ``impl="xla"`` for it).
+TRITON_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+
+
+def resolve_impl(impl: Any, auto: str | None = None) -> str:
+    """``"xla"`` or ``"triton"``: what ``impl`` (``"auto"``, ``"xla"`` or ``"triton"``) runs.
+
+    ``"auto"`` is Triton on a GPU and XLA elsewhere: on a CPU the kernels run in Triton's
+    interpreter, which is for testing, not for speed (pass ``impl="triton"`` to test them).
+    An op may pass ``auto`` to say otherwise; attention resolves ``"auto"`` itself, to Triton
+    wherever its kernels support the call, because its XLA path is the dense reference, which
+    builds the whole ``[T, S]`` score matrix.
+    """
+    if not isinstance(impl, str) or impl not in IMPLS:
+        raise ValueError(f"impl must be 'auto', 'xla' or 'triton', got {impl!r}")
+    if impl != "auto":
+        return impl
+    if auto is not None:
+        return auto
+    from ejk_lite.launch import ON_GPU  # here: launch settles TRITON_INTERPRET when imported
+
+    return "triton" if ON_GPU else "xla"
+
+
+def check_triton_dtype(x: Any, name: str) -> None:
+    """Raise unless the Triton kernels take ``x``'s dtype (float16, bfloat16 or float32)."""
+    if jnp.dtype(x.dtype) not in TRITON_DTYPES:
+        raise ValueError(f"{name}: the Triton kernels take float16, bfloat16 or float32, got "
+                         f"{x.dtype}; use impl='xla'")
+
+
+# ----------------------------------------------------------------------------------------------
+# Index arrays (cu_seqlens, segment ids, block lists): integer arrays whose values address memory.
+# ----------------------------------------------------------------------------------------------
+
+
+def check_index_array(x: Any, name: str, ndim: int | None = None, optional: bool = False) -> None:
+    """Raise unless ``x`` is an array of an integer dtype (of rank ``ndim`` when given).
+
+    Index arrays must be integers: a float offset would be truncated, a bool one read as 0/1.
+    Their *values* are another matter: checked where concrete, clamped inside the kernels where
+    traced (see :mod:`ejk_lite.packing`).
+    """
+    if x is None and optional:
+        return
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise ValueError(f"{name} must be an integer array, got {type(x).__name__}")
+    if ndim is not None and len(x.shape) != ndim:
+        raise ValueError(f"{name} must be a {ndim}-D integer array, got shape {tuple(x.shape)}")
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise ValueError(f"{name} must have an integer dtype, got {x.dtype}")

@@ -44,12 +44,19 @@ Implementations (``impl=``):
 * ``"xla"``: plain ``jax.numpy``/``lax`` ops, differentiated by JAX itself.
 * ``"auto"``: Triton on a GPU, XLA otherwise (the interpreter is for testing, not for speed).
 
+Tiles (``config=``): by default Triton's autotuner picks the column width, warps and (global)
+token block on the GPU from the lists below; a :class:`CumsumConfig` pins one instead.
+
+The module reads top to bottom as every op of ejk_lite: the kernels, the launchers ``_fwd`` /
+``_bwd``, one ``custom_vjp``, the XLA implementation, the references, the public functions.
+
 ``reference_local_cumsum`` / ``reference_global_cumsum`` define the answer as directly as
 possible, a masked matrix product (O(T²) memory): for tests and the book, not for speed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -59,20 +66,29 @@ import triton
 import triton.language as tl
 from jax import lax
 
-from ejk_lite.checks import check_floating, static_float, static_int
-from ejk_lite.launch import ON_GPU, triton_call, vmap_by_folding
+from ejk_lite.checks import (
+    check_config,
+    check_floating,
+    check_triton_dtype,
+    freeze_fields,
+    power_of_two,
+    resolve_impl,
+    static_float,
+    validated_fields,
+)
+from ejk_lite.launch import triton_call, vmap_by_folding
 from ejk_lite.packing import (
     cdiv,
+    check_packed_batch,
     checked_cu_seqlens,
     prepare_chunk_indices,
     prepare_position_ids,
     sanitize_cu_seqlens,
 )
 
-__all__ = ["chunk_local_cumsum", "chunk_global_cumsum", "reference_local_cumsum", "reference_global_cumsum"]
+__all__ = ["chunk_local_cumsum", "chunk_global_cumsum", "reference_local_cumsum", "reference_global_cumsum",
+           "CumsumConfig"]
 
-# Input dtypes the Triton kernels accept (they accumulate in float32, so float64 would lose bits).
-_TRITON_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
 _MAX_GRID_YZ = 65535  # CUDA's limit on the 2nd and 3rd grid dimensions
 
 
@@ -140,7 +156,6 @@ _LOCAL_CONFIGS = [
 ]
 
 
-@triton.autotune(configs=_LOCAL_CONFIGS, key=["T", "C"])
 @triton.jit
 def chunk_local_cumsum_kernel(
     x_ptr, cu_seqlens_ptr, chunk_indices_ptr, T, C, num_seqs, scale, out_ptr,
@@ -174,6 +189,9 @@ def chunk_local_cumsum_kernel(
                REVERSE=REVERSE, TOKENS_CONTIGUOUS=TOKENS_CONTIGUOUS)
 
 
+_local_autotuned = triton.autotune(configs=_LOCAL_CONFIGS, key=["T", "C"])(chunk_local_cumsum_kernel)
+
+
 # The global kernel runs the same loop over a whole sequence. Its parallelism is rows x column
 # tiles x sequences, and its time is the length of the walk. With few rows and columns (scalar
 # gates, [8, 8192, 16]: 128 independent sums) narrow, tall tiles give more programs and fewer steps
@@ -189,7 +207,6 @@ _GLOBAL_CONFIGS = [
 ]
 
 
-@triton.autotune(configs=_GLOBAL_CONFIGS, key=["T", "C"])
 @triton.jit
 def chunk_global_cumsum_kernel(
     x_ptr, cu_seqlens_ptr, T, C, num_seqs, scale, out_ptr,
@@ -212,6 +229,40 @@ def chunk_global_cumsum_kernel(
                REVERSE=REVERSE, TOKENS_CONTIGUOUS=TOKENS_CONTIGUOUS)
 
 
+_global_autotuned = triton.autotune(configs=_GLOBAL_CONFIGS, key=["T", "C"])(chunk_global_cumsum_kernel)
+
+
+# ----------------------------------------------------------------------------------------------
+# The config: pinned tiles instead of the autotuner's pick.
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class CumsumConfig:
+    """Tiles of the cumsum kernels, pinned (``config=None``: autotuned, see above).
+
+    One config serves both directions: the backward is the same kernel with ``reverse``
+    flipped, so what suits one suits the other. The defaults are the first autotune config
+    of each kernel (the one the interpreter runs).
+
+    * ``block_t``: tokens scanned per step, a power of two; the local kernel takes
+      ``min(block_t, chunk_size)`` (its chunks are the segments).
+    * ``block_c``: columns per program, a power of two.
+    * ``num_warps`` (a power of two) and ``num_stages``: as in ``triton.Config``.
+    """
+
+    block_t: int = 64
+    block_c: int = 32
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self):
+        freeze_fields(self, validated_fields(self, powers_of_two=("block_t", "block_c", "num_warps")))
+        for name in ("block_t", "block_c", "num_warps", "num_stages"):
+            if getattr(self, name) is None:
+                raise ValueError(f"CumsumConfig.{name} must be a positive int, got None")
+
+
 # ----------------------------------------------------------------------------------------------
 # Launching the kernels, and their gradient.
 # ----------------------------------------------------------------------------------------------
@@ -230,7 +281,7 @@ def _kernel_view(x: jax.Array, head_first: bool) -> tuple[jax.Array, int, int, i
     return x.reshape(B, T, C), B, T, C, False
 
 
-def _launch(x, cu_seqlens, chunk_size, reverse, scale, head_first, out_dtype):
+def _launch(x, cu_seqlens, chunk_size, reverse, scale, head_first, out_dtype, config=None):
     """Run the local kernel (``chunk_size`` given) or the global one (``None``) on ``x``.
 
     Under ``jax.vmap`` the mapped axis is folded into the batch axis: the kernels' rows are
@@ -238,11 +289,11 @@ def _launch(x, cu_seqlens, chunk_size, reverse, scale, head_first, out_dtype):
     rows. A mapped ``cu_seqlens`` (each element its own packing) runs one launch per element.
     """
     run = functools.partial(_launch_rows, chunk_size=chunk_size, reverse=reverse, scale=scale,
-                            head_first=head_first, out_dtype=out_dtype)
+                            head_first=head_first, out_dtype=out_dtype, config=config)
     return vmap_by_folding(run, in_axes=(0, None), out_axes=0)(x, cu_seqlens)
 
 
-def _launch_rows(x, cu_seqlens, *, chunk_size, reverse, scale, head_first, out_dtype):
+def _launch_rows(x, cu_seqlens, *, chunk_size, reverse, scale, head_first, out_dtype, config):
     if x.size == 0:
         return jnp.zeros(x.shape, out_dtype)
     view, N, T, C, tokens_contiguous = _kernel_view(x, head_first)
@@ -265,11 +316,16 @@ def _launch_rows(x, cu_seqlens, *, chunk_size, reverse, scale, head_first, out_d
         out_shape=jax.ShapeDtypeStruct(view.shape, out_dtype),
         REVERSE=bool(reverse), IS_VARLEN=varlen, TOKENS_CONTIGUOUS=tokens_contiguous,
     )
+    pinned = {} if config is None else dict(BLOCK_C=config.block_c, num_warps=config.num_warps,
+                                            num_stages=config.num_stages)
     if chunk_size is None:
         num_segments = num_seqs + 1 if varlen else 1
+        kernel = _global_autotuned if config is None else chunk_global_cumsum_kernel
+        if config is not None:
+            pinned["BLOCK_T"] = config.block_t
         out = triton_call(
-            view, cu, T, C, num_seqs, scale, kernel=chunk_global_cumsum_kernel,
-            grid=lambda meta: (num_segments, cdiv(C, meta["BLOCK_C"]), N), **common,
+            view, cu, T, C, num_seqs, scale, kernel=kernel,
+            grid=lambda meta: (num_segments, cdiv(C, meta["BLOCK_C"]), N), **common, **pinned,
         )
         return out.reshape(x.shape)
     if varlen:
@@ -282,10 +338,12 @@ def _launch_rows(x, cu_seqlens, *, chunk_size, reverse, scale, head_first, out_d
     else:
         total = cdiv(T, chunk_size)
         chunk_indices = cu  # never read
+    block_t = CumsumConfig.block_t if config is None else config.block_t
     out = triton_call(
-        view, cu, chunk_indices, T, C, num_seqs, scale, kernel=chunk_local_cumsum_kernel,
+        view, cu, chunk_indices, T, C, num_seqs, scale,
+        kernel=_local_autotuned if config is None else chunk_local_cumsum_kernel,
         grid=lambda meta: (total, cdiv(C, meta["BLOCK_C"]), N),
-        CHUNK=chunk_size, BLOCK_T=min(chunk_size, 64), **common,
+        CHUNK=chunk_size, BLOCK_T=min(chunk_size, block_t), **common, **pinned,
     )
     return out.reshape(x.shape)
 
@@ -294,21 +352,21 @@ def _launch_rows(x, cu_seqlens, *, chunk_size, reverse, scale, head_first, out_d
 # over the same segments: out[t] = scale * sum_{u in seg(t), u <= t} x[u] gives
 # dx[u] = scale * sum_{t in seg(u), t >= u} dout[t]. So the backward pass is the same kernel with
 # `reverse` flipped, writing the input's dtype. cu_seqlens (integers) gets no cotangent.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7))
-def _triton_cumsum(x, cu_seqlens, chunk_size, reverse, scale, head_first, out_dtype, in_dtype):
-    return _launch(x, cu_seqlens, chunk_size, reverse, scale, head_first, out_dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7, 8))
+def _cumsum_triton(x, cu_seqlens, chunk_size, reverse, scale, head_first, out_dtype, in_dtype, config):
+    return _launch(x, cu_seqlens, chunk_size, reverse, scale, head_first, out_dtype, config)
 
 
-def _triton_cumsum_fwd(x, cu_seqlens, chunk_size, reverse, scale, head_first, out_dtype, in_dtype):
-    return _launch(x, cu_seqlens, chunk_size, reverse, scale, head_first, out_dtype), cu_seqlens
+def _fwd(x, cu_seqlens, chunk_size, reverse, scale, head_first, out_dtype, in_dtype, config):
+    return _launch(x, cu_seqlens, chunk_size, reverse, scale, head_first, out_dtype, config), cu_seqlens
 
 
-def _triton_cumsum_bwd(chunk_size, reverse, scale, head_first, out_dtype, in_dtype, cu_seqlens, dout):
-    dx = _launch(dout, cu_seqlens, chunk_size, not reverse, scale, head_first, in_dtype)
+def _bwd(chunk_size, reverse, scale, head_first, out_dtype, in_dtype, config, cu_seqlens, dout):
+    dx = _launch(dout, cu_seqlens, chunk_size, not reverse, scale, head_first, in_dtype, config)
     return dx, None
 
 
-_triton_cumsum.defvjp(_triton_cumsum_fwd, _triton_cumsum_bwd)
+_cumsum_triton.defvjp(_fwd, _bwd)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -418,7 +476,7 @@ def reference_global_cumsum(s, reverse=False, cu_seqlens=None, softmax_scale=Non
 
 
 def chunk_local_cumsum(g, chunk_size, reverse=False, softmax_scale=None, cu_seqlens=None,
-                       head_first=False, output_dtype=None, impl="auto"):
+                       head_first=False, output_dtype=None, impl="auto", config=None):
     """Cumulative sum of ``g`` along the tokens, restarting every ``chunk_size`` tokens.
 
     Args:
@@ -431,30 +489,31 @@ def chunk_local_cumsum(g, chunk_size, reverse=False, softmax_scale=None, cu_seql
       head_first: the layout of ``g``.
       output_dtype: dtype of the result; default ``g.dtype``. Sums accumulate in float32.
       impl: ``"auto"`` (Triton on a GPU, else XLA), ``"triton"`` or ``"xla"``.
+      config: a :class:`CumsumConfig` pinning the Triton tiles; ``None`` autotunes them.
 
     Returns:
       An array shaped like ``g``; differentiable with respect to ``g``.
     """
-    chunk_size = static_int(chunk_size, "chunk_size", minimum=1)
-    if chunk_size & (chunk_size - 1):
-        raise ValueError(f"chunk_size must be a positive power of two, got {chunk_size!r}")
+    chunk_size = power_of_two(chunk_size, "chunk_size")
     return _cumsum(g, "g", chunk_size, reverse, softmax_scale, cu_seqlens, head_first, output_dtype,
-                   impl)
+                   impl, config)
 
 
 def chunk_global_cumsum(s, reverse=False, cu_seqlens=None, softmax_scale=None, head_first=False,
-                        output_dtype=None, impl="auto"):
+                        output_dtype=None, impl="auto", config=None):
     """Cumulative sum of ``s`` along the tokens of each whole sequence.
 
     Arguments as in :func:`chunk_local_cumsum` (note the order: ``reverse, cu_seqlens,
     softmax_scale``); without ``cu_seqlens`` each batch entry is one sequence.
     """
-    return _cumsum(s, "s", None, reverse, softmax_scale, cu_seqlens, head_first, output_dtype, impl)
+    return _cumsum(s, "s", None, reverse, softmax_scale, cu_seqlens, head_first, output_dtype, impl,
+                   config)
 
 
-def _cumsum(x, name, chunk_size, reverse, softmax_scale, cu_seqlens, head_first, output_dtype, impl):
-    if impl not in ("auto", "xla", "triton"):
-        raise ValueError(f"impl must be 'auto', 'xla' or 'triton', got {impl!r}")
+def _cumsum(x, name, chunk_size, reverse, softmax_scale, cu_seqlens, head_first, output_dtype, impl,
+            config):
+    impl = resolve_impl(impl)
+    config = check_config(config, CumsumConfig)
     check_floating(x, name)
     x = jnp.asarray(x)
     if x.ndim not in (3, 4):
@@ -470,26 +529,22 @@ def _cumsum(x, name, chunk_size, reverse, softmax_scale, cu_seqlens, head_first,
     T = x.shape[2 if head_first else 1]
     if cu_seqlens is not None:
         cu_seqlens = checked_cu_seqlens(cu_seqlens, T)  # values checked if concrete
-        if x.shape[0] != 1:
-            raise ValueError(f"cu_seqlens packs sequences along one batch entry: {name} must have batch "
-                             f"size 1, got shape {x.shape}")
-    if impl == "auto":
-        impl = "triton" if ON_GPU else "xla"
-    if impl == "triton" and x.dtype not in _TRITON_DTYPES:
-        raise ValueError(f"{name}: the Triton kernels take float16, bfloat16 or float32, got {x.dtype}; "
-                         f"use impl='xla'")
+        check_packed_batch(x.shape[0], name, x.shape)
+    if impl == "triton":
+        check_triton_dtype(x, name)
     return _checked_cumsum(x, cu_seqlens, chunk_size=chunk_size, reverse=bool(reverse), scale=scale,
-                           head_first=bool(head_first), out_dtype=out_dtype, impl=impl)
+                           head_first=bool(head_first), out_dtype=out_dtype, impl=impl, config=config)
 
 
 # Everything after the checks is one jitted function of (x, cu_seqlens): eager calls compile once per
 # shape and flags, instead of dispatching each small op on its own.
-@functools.partial(jax.jit, static_argnames=("chunk_size", "reverse", "scale", "head_first", "out_dtype", "impl"))
-def _checked_cumsum(x, cu_seqlens, *, chunk_size, reverse, scale, head_first, out_dtype, impl):
+@functools.partial(jax.jit, static_argnames=("chunk_size", "reverse", "scale", "head_first", "out_dtype", "impl",
+                                             "config"))
+def _checked_cumsum(x, cu_seqlens, *, chunk_size, reverse, scale, head_first, out_dtype, impl, config):
     if cu_seqlens is not None:
         # Traced values were not checked: both implementations see the nearest valid packing, so
         # that no kernel can be sent outside x (and the two agree even on garbage).
         cu_seqlens = sanitize_cu_seqlens(cu_seqlens, x.shape[2 if head_first else 1])
     if impl == "xla":
         return _xla_cumsum(x, cu_seqlens, chunk_size, reverse, scale, head_first, out_dtype)
-    return _triton_cumsum(x, cu_seqlens, chunk_size, reverse, scale, head_first, out_dtype, x.dtype)
+    return _cumsum_triton(x, cu_seqlens, chunk_size, reverse, scale, head_first, out_dtype, x.dtype, config)

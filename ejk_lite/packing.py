@@ -14,6 +14,19 @@ output length of the per-token and per-chunk functions depends on the *values* o
 under ``jax.jit`` those values are unknown while tracing, so pass the size as a static argument
 (``total_tokens=`` / ``total_chunks=``). Without it the function needs a concrete ``cu_seqlens``
 and says so.
+
+**One convention inside every op** (cumsum, mean pooling, recurrent): a packed input is
+``[rows, T, ...]``, ``rows`` independent copies of the token axis that all share one
+``cu_seqlens``; token ``t`` of row ``r`` sits at ``r * T + t``. Each kernel walks the sequences
+``cu_seqlens[i]:cu_seqlens[i + 1]`` of every row. A padded (unpacked) batch is the case
+without ``cu_seqlens``, every row one sequence of ``T`` tokens (mean pooling instead packs it
+into one row with ``cu_seqlens = [0, T, 2T, ...]``: its kernels split tokens, not sequences,
+between programs). Why rows: ``jax.vmap`` folds a
+mapped axis into the rows (:func:`ejk_lite.launch.vmap_by_folding`), so a batch of packed inputs
+is still one launch; and it is flash-linear-attention's ``[1, T, ...]`` layout with the ``1``
+allowed to grow. What callers pass is unchanged: ``[1, T, ...]`` for the cumsums and
+``recurrent`` (:func:`check_packed_batch` insists on the ``1``), ``(T, ...)`` for mean pooling,
+which becomes one row of ``T`` tokens.
 """
 
 from __future__ import annotations
@@ -25,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array, lax
 
-from ejk_lite.checks import concrete_value, static_int
+from ejk_lite.checks import check_index_array, concrete_value, static_int
 
 # Kernels index tokens with int32; offsets beyond it cannot describe a real array anyway.
 INT32_MAX = 2**31 - 1
@@ -48,8 +61,7 @@ def validate_cu_seqlens(cu_seqlens: Any, total_tokens: int | None = None, name: 
     if not hasattr(cu_seqlens, "shape") or len(cu_seqlens.shape) != 1 or cu_seqlens.shape[0] < 1:
         raise ValueError(f"{name} must be a 1-D array [0, len_0, len_0 + len_1, ...], "
                          f"got shape {getattr(cu_seqlens, 'shape', None)}")
-    if not jnp.issubdtype(cu_seqlens.dtype, jnp.integer):
-        raise ValueError(f"{name} must have an integer dtype, got {cu_seqlens.dtype}")
+    check_index_array(cu_seqlens, name)
     values = concrete_value(cu_seqlens)
     if values is None:
         return
@@ -63,6 +75,13 @@ def validate_cu_seqlens(cu_seqlens: Any, total_tokens: int | None = None, name: 
         raise ValueError(f"{name}[-1] = {values[-1]} does not fit in int32 (the kernels' index type)")
     if total_tokens is not None and values[-1] > total_tokens:
         raise ValueError(f"{name}[-1] = {values[-1]} is beyond the {total_tokens} tokens of the input")
+
+
+def check_packed_batch(batch: int, name: str, shape: tuple[int, ...]) -> None:
+    """Packed input (with ``cu_seqlens``) is one row ``[1, T, ...]``: raise unless ``batch == 1``."""
+    if batch != 1:
+        raise ValueError(f"cu_seqlens packs sequences along one batch entry: {name} must have batch "
+                         f"size 1, got shape {tuple(shape)}")
 
 
 def checked_cu_seqlens(cu_seqlens: Any, total_tokens: int, name: str = "cu_seqlens") -> Any:

@@ -33,8 +33,8 @@ from ejk_lite import block_mean_pooling, chunk_global_cumsum, chunk_local_cumsum
 from ejk_lite.packing import sanitize_cu_seqlens
 
 cumsum = importlib.import_module("ejk_lite.cumsum")
-pooling = importlib.import_module("ejk_lite.mean_pooling")
-rec = importlib.import_module("ejk_lite.recurrent")
+pooling = importlib.import_module("ejk_lite.pooling")
+rec = importlib.import_module("ejk_lite.linear_attention")
 
 T = 12  # tokens
 INT_MIN, INT_MAX = -2**31, 2**31 - 1
@@ -91,7 +91,8 @@ def public(op, rng):
             o, state = fn(*split(a), cu_seqlens=cu)
             return jnp.concatenate([o.ravel(), state.ravel()])
         return f
-    return run(recurrent), run(lambda q, k, v, g, **kw: rec.reference(q, k, v, g=g, **kw)), \
+    return run(lambda *a, **kw: recurrent(*a, **kw, impl="triton")), \
+        run(lambda q, k, v, g, **kw: rec.reference(q, k, v, g=g, **kw)), \
         rng.standard_normal((1, T, 2, 9))
 
 
@@ -132,7 +133,7 @@ def run_kernels(op):
                     for reverse in (False, True)]
     elif op in ("mean", "blocks"):
         x = jnp.asarray(rng.standard_normal((2, T, 5)), f32)  # two rows, as vmap folds them
-        plan = pooling._plan(4, T, 5, 3, None, pooling.Tiling(tokens_per_program=4))
+        plan = pooling._plan(4, T, 5, 3, None, pooling.PoolingConfig(fwd_tile_tokens=4, bwd_tile_tokens=4))
         block_plan = pooling._BlockPlan(4, 16, 1, 2, 8, plan)
 
         def launches(x, cu):
@@ -144,14 +145,14 @@ def run_kernels(op):
             return out, vjp(out)
     else:
         x = jnp.asarray(rng.standard_normal((2, T, 2, 3)), f32)  # two rows, as vmap folds them
-        blocks = rec._block_sizes(3, 3)
+        config = rec.RecurrentConfig()
 
         def launches(q, cu):  # the forward and backward launches, without _recurrent_jit's sanitization
             args = (q, q, q, -jnp.abs(q[..., 0]), None, None, None, None, cu)
             results = []
             for reverse in (False, True):
-                o_parts, state = rec._forward_launch(0.5, reverse, blocks, *args)
-                results.append(rec._backward_launch(0.5, reverse, blocks, *args, o_parts[0].reshape(q.shape),
+                o_parts, state = rec._forward_launch(0.5, reverse, config, *args)
+                results.append(rec._backward_launch(0.5, reverse, config, *args, o_parts[0].reshape(q.shape),
                                                     state))
             return results
     launches = jax.jit(launches)

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from conftest import TOLERANCE, WRAPPING_CU_SEQLENS, rel_err
 from ejk_lite import chunk_global_cumsum, chunk_local_cumsum
-from ejk_lite.cumsum import reference_global_cumsum, reference_local_cumsum
+from ejk_lite.cumsum import CumsumConfig, reference_global_cumsum, reference_local_cumsum
 
 IMPLS = ["xla", "triton"]
 OPS = ["local", "global"]
@@ -279,6 +279,40 @@ def test_bad_arguments_raise_value_errors(impl):
 
 
 # ----------------------------------------------------------------------------------------------
+# Pinned tiles: config= instead of the autotuner.
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("config", [CumsumConfig(), CumsumConfig(block_t=4, block_c=2, num_warps=1, num_stages=1),
+                                    CumsumConfig(block_t=128, block_c=64, num_warps=8)])
+def test_pinned_config(rng, op, config):
+    """A pinned config (tiles smaller and larger than the data, a block_t above the chunk size)
+    gives the same sums and gradients; the backward uses the same config."""
+    cu = cu_from_lengths([5, 0, 11, 1])
+    x = make_input(rng, (1, 19, 3, 5))
+    fn = chunk_local_cumsum if op == "local" else chunk_global_cumsum
+    kwargs = dict(chunk_size=8) if op == "local" else {}
+    out = fn(x, **kwargs, reverse=True, cu_seqlens=jnp.asarray(cu), impl="triton", config=config)
+    assert rel_err(out, expected(op, x, 8, reverse=True, cu_seqlens=cu)) < TOLERANCE["float32"]
+    weights = make_input(rng, x.shape)
+    grad = jax.grad(lambda a: jnp.sum(weights * fn(a, **kwargs, cu_seqlens=jnp.asarray(cu), impl="triton",
+                                                   config=config)))(x)
+    assert rel_err(grad, expected(op, weights, 8, reverse=True, cu_seqlens=cu)) < TOLERANCE["float32"]
+
+
+def test_config_is_validated():
+    for field, value in [("block_t", 6), ("block_c", 0), ("num_warps", 3), ("num_stages", 0), ("block_t", 8.0),
+                         ("block_c", True), ("num_warps", None)]:
+        with pytest.raises(ValueError, match=f"CumsumConfig.{field}"):
+            CumsumConfig(**{field: value})
+    with pytest.raises(ValueError, match="config"):
+        chunk_global_cumsum(jnp.ones((1, 8, 2)), impl="triton", config={"block_t": 4})
+    config = CumsumConfig(block_t=np.int64(16), block_c=np.int32(8))
+    assert type(config.block_t) is int and type(config.block_c) is int and hash(config) == hash(CumsumConfig(16, 8))
+
+
+# ----------------------------------------------------------------------------------------------
 # Arguments: NumPy scalars are numbers, cu_seqlens of any integer dtype, values that would wrap.
 # ----------------------------------------------------------------------------------------------
 
@@ -321,3 +355,15 @@ def test_cu_seqlens_that_would_wrap_are_refused(rng, bad, match):
         for impl in IMPLS:
             with pytest.raises(ValueError, match=f"cu_seqlens.*{match}"):
                 run(op, x, impl, cu_seqlens=bad)
+
+
+def test_default_config_is_the_autotuners_first():
+    """CumsumConfig() pins what the interpreter runs with config=None: each kernel's first
+    autotune config (the local kernel's token block is min(64, chunk_size) either way)."""
+    import ejk_lite.cumsum as cumsum
+
+    config = CumsumConfig()
+    first = cumsum._GLOBAL_CONFIGS[0]
+    assert (config.block_t, config.block_c, config.num_warps, config.num_stages) == \
+        (first.kwargs["BLOCK_T"], first.kwargs["BLOCK_C"], first.num_warps, first.num_stages)
+    assert cumsum._LOCAL_CONFIGS[0].kwargs["BLOCK_C"] == config.block_c

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from conftest import TOLERANCE, WRAPPING_CU_SEQLENS, rel_err
 from ejk_lite import block_mean_pooling, mean_pooling
 
-pooling = importlib.import_module("ejk_lite.mean_pooling")  # the module (the package attribute is the function)
+import ejk_lite.pooling as pooling  # the module (ejk_lite.mean_pooling is the function)
 
 # Triton's interpreter turns a loop bound loaded from memory into an int through a shape-(1,)
 # array, which NumPy deprecates; harmless here, and compiled kernels never see it.
@@ -101,29 +101,29 @@ def test_packed(rng, impl, dtype):
 @pytest.mark.parametrize("packed", [False, True])
 def test_triton_token_tiles_and_feature_tiles(rng, tokens_per_program, packed):
     """Sequences cut into pieces by token tiles (or not at all), and ragged feature tiles."""
-    tiling = pooling.Tiling(block_hidden=16, tokens_per_program=tokens_per_program)
+    config = pooling.PoolingConfig(block_hidden=16, fwd_tile_tokens=tokens_per_program,
+                                   bwd_tile_tokens=tokens_per_program)
     if packed:
         cu = cu_from_lengths(LENGTHS)
         x, x64 = random_x(rng, (cu[-1] + 2, 40), "float32")
-        out = mean_pooling(x, 2, jnp.asarray(cu), impl="triton", tiling=tiling)
+        out = mean_pooling(x, 2, jnp.asarray(cu), impl="triton", config=config)
         ref = numpy_mean_pooling(x64, cu)
     else:
         x, x64 = random_x(rng, (3, 7, 40), "float32")
-        out = mean_pooling(x, 2, impl="triton", tiling=tiling)
+        out = mean_pooling(x, 2, impl="triton", config=config)
         ref = x64.mean(axis=1)
     assert rel_err(out, ref) < TOLERANCE["float32"]
 
 
-def test_triton_forward_and_backward_tiles_differ(rng, monkeypatch):
+def test_triton_forward_and_backward_tiles_differ(rng):
     """The forward and the backward cut the tokens into tiles of their own sizes (fewer, longer
     programs forward): both must cover every token, sequences crossing either kind of edge."""
-    monkeypatch.setattr(pooling, "_FORWARD_PROGRAMS", 4)
-    monkeypatch.setattr(pooling, "_BACKWARD_PROGRAMS", 32)
+    config = pooling.PoolingConfig(fwd_programs=4, bwd_programs=32)
     cu = cu_from_lengths(LENGTHS + [40, 2, 23])
     x, x64 = random_x(rng, (cu[-1] + 3, 32), "float32")
-    plan = pooling._plan(2, x.shape[0], 32, len(cu) - 1, None, None)
+    plan = pooling._plan(2, x.shape[0], 32, len(cu) - 1, None, config)
     assert plan.tile_tokens > plan.grad_tile_tokens
-    f = lambda a: mean_pooling(a, 2, jnp.asarray(cu), impl="triton")  # noqa: E731
+    f = lambda a: mean_pooling(a, 2, jnp.asarray(cu), impl="triton", config=config)  # noqa: E731
     assert rel_err(f(x), numpy_mean_pooling(x64, cu)) < TOLERANCE["float32"]
     weights = rng.standard_normal((len(cu) - 1, 32))
     grad = jax.grad(lambda a: jnp.sum(f(a) * weights))(x)
@@ -299,9 +299,12 @@ _CU = jnp.asarray([0, 4, 10], jnp.int32)
     (lambda: mean_pooling(_X3, 2.0), "chunk_size"),
     (lambda: mean_pooling(_X3, impl="cuda"), "impl"),
     (lambda: mean_pooling(jnp.ones((2, 5, 4), jnp.int32)), "x must have a floating dtype"),
-    (lambda: mean_pooling(_X3, tiling=pooling.Tiling(block_hidden=24)), "tiling.block_hidden"),
-    (lambda: mean_pooling(_X3, tiling=pooling.Tiling(tokens_per_program=0)), "tiling.tokens_per_program"),
-    (lambda: mean_pooling(_X3, tiling=pooling.Tiling(num_stages=0)), "tiling.num_stages"),
+    (lambda: mean_pooling(_X3, config=pooling.PoolingConfig(block_hidden=24)), "PoolingConfig.block_hidden"),
+    (lambda: mean_pooling(_X3, config=pooling.PoolingConfig(fwd_tile_tokens=0)), "PoolingConfig.fwd_tile_tokens"),
+    (lambda: mean_pooling(_X3, config=pooling.PoolingConfig(fwd_num_stages=0)), "PoolingConfig.fwd_num_stages"),
+    (lambda: mean_pooling(_X3, config=pooling.PoolingConfig(bwd_num_warps=3)), "PoolingConfig.bwd_num_warps"),
+    (lambda: mean_pooling(_X3, config=pooling.PoolingConfig(fwd_programs=None)), "PoolingConfig.fwd_programs"),
+    (lambda: mean_pooling(_X3, config=(16, 4)), "config"),
     (lambda: block_mean_pooling(_X3, 0), "block_size"),
     (lambda: block_mean_pooling(_X3, 2, chunk_size=0), "chunk_size"),
     (lambda: block_mean_pooling(_X2, 4, _CU, total_blocks=2), "total_blocks"),
@@ -324,13 +327,15 @@ def test_numpy_scalars_behave_like_python_numbers(rng, impl):
     # np.int64(4) used to reach the kernel launch as an array: a pointer where an int belongs.
     cu = cu_from_lengths(LENGTHS)
     x, x64 = random_x(rng, (cu[-1] + 2, 6), "float32")
-    tiling = pooling.Tiling(block_hidden=np.int64(16), tokens_per_program=np.int32(3), num_warps=np.int8(2),
-                            num_stages=np.uint8(2))
-    out = mean_pooling(x, np.int64(4), jnp.asarray(cu), impl=impl, tiling=tiling)
+    config = pooling.PoolingConfig(block_hidden=np.int64(16), fwd_tile_tokens=np.int32(3),
+                                   bwd_tile_tokens=np.int64(5), fwd_num_warps=np.int8(2),
+                                   bwd_num_warps=np.uint16(1), fwd_num_stages=np.uint8(2))
+    assert all(type(getattr(config, f)) is int for f in ("block_hidden", "fwd_tile_tokens", "fwd_num_stages"))
+    out = mean_pooling(x, np.int64(4), jnp.asarray(cu), impl=impl, config=config)
     assert rel_err(out, numpy_mean_pooling(x64, cu)) < TOLERANCE["float32"]
     ref = numpy_block_pooling(x64, 4, cu)
     out = block_mean_pooling(x, np.int64(4), jnp.asarray(cu), chunk_size=np.int32(2),
-                             total_blocks=np.int64(len(ref)), impl=impl, tiling=tiling)
+                             total_blocks=np.int64(len(ref)), impl=impl, config=config)
     assert rel_err(out, ref) < TOLERANCE["float32"]
     pooled = jax.jit(lambda a, c: block_mean_pooling(a, np.int64(4), c, total_blocks=np.uint16(len(ref)), impl=impl))
     assert rel_err(pooled(x, jnp.asarray(cu)), ref) < TOLERANCE["float32"]
@@ -338,8 +343,8 @@ def test_numpy_scalars_behave_like_python_numbers(rng, impl):
                        ("block_size", lambda: block_mean_pooling(x, True, jnp.asarray(cu), impl=impl)),
                        ("chunk_size", lambda: mean_pooling(x, np.bool_(True), jnp.asarray(cu), impl=impl)),
                        ("total_blocks", lambda: block_mean_pooling(x, 4, jnp.asarray(cu), total_blocks=20.0)),
-                       ("tiling.num_warps", lambda: mean_pooling(x, 4, jnp.asarray(cu),
-                                                                 tiling=pooling.Tiling(num_warps=np.int64(3))))]:
+                       ("PoolingConfig.fwd_num_warps",
+                        lambda: pooling.PoolingConfig(fwd_num_warps=np.int64(3)))]:
         with pytest.raises(ValueError, match=name):
             call()
 
@@ -365,3 +370,12 @@ def test_cu_seqlens_that_would_wrap_are_refused(rng, bad, match):
             mean_pooling(x, 4, bad, impl=impl)
         with pytest.raises(ValueError, match=f"cu_seqlens.*{match}"):
             block_mean_pooling(x, 4, bad, impl=impl)
+
+
+def test_default_config_is_the_measured_one():
+    """config=None keeps the settings measured on an H100 (bench/mean_pooling.py): a change here
+    changes GPU speed, so it must be deliberate."""
+    plan = pooling._plan(32, 65536, 4096, 64, None, None)
+    assert (plan.block_tokens, plan.block_hidden, plan.tile_tokens, plan.grad_tile_tokens) == (32, 256, 1024, 256)
+    assert (plan.num_warps, plan.num_stages, plan.bwd_num_warps, plan.has_pieces) == (4, 3, 4, True)
+    assert pooling._plan(32, 65536, 4096, 64, None, pooling.PoolingConfig()) == plan

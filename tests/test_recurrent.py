@@ -1,6 +1,9 @@
-"""ejk_lite.recurrent against a float64 reference: outputs, final state and every gradient."""
+"""ejk_lite.recurrent against a float64 reference: outputs, final state and every gradient.
 
-import importlib
+Both implementations: the Triton kernels (``impl="triton"``, in the interpreter here) and the
+XLA path (``impl="xla"``, the module's ``lax.scan`` reference, differentiated by JAX)."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -8,10 +11,10 @@ import numpy as np
 import pytest
 from conftest import TOLERANCE, WRAPPING_CU_SEQLENS, rel_err
 
-from ejk_lite.recurrent import recurrent, reference
+from ejk_lite.linear_attention import RecurrentConfig, recurrent, reference
 
-# The module itself (`import ejk_lite.recurrent as m` would give the function the package exports).
-recurrent_module = importlib.import_module("ejk_lite.recurrent")
+# The kernels, whatever "auto" picks on this machine.
+triton_recurrent = functools.partial(recurrent, impl="triton")
 
 ALL_GATES = ("g", "g_gamma", "gk", "gv")
 
@@ -37,9 +40,12 @@ def make_inputs(rng, *, batch=2, seq_len=11, heads=2, kv_heads=1, key_dim=6, val
     return inputs
 
 
-def check_against_reference(rng, inputs, dtype=jnp.float32, use=("output", "final_state"), **options):
-    """Run the kernels in ``dtype`` and the reference in float64 on the same (rounded) inputs;
-    compare the output, the final state and the gradient of every array input."""
+def check_against_reference(rng, inputs, dtype=jnp.float32, use=("output", "final_state"), impl="triton",
+                            config=None, **options):
+    """Run ``recurrent`` (``impl``, ``config``) in ``dtype`` and the reference in float64 on the
+    same (rounded) inputs; compare the output, the final state and the gradient of every array
+    input."""
+    op = functools.partial(recurrent, impl=impl, config=config)
     names = list(inputs)
     arrays = [jnp.asarray(inputs[name], dtype) for name in names]
 
@@ -50,10 +56,10 @@ def check_against_reference(rng, inputs, dtype=jnp.float32, use=("output", "fina
     def used(fn):  # only the outputs named in `use` reach the loss
         return lambda *arrays: {key: value for key, value in call(fn, *arrays).items() if key in use}
 
-    outs, vjp = jax.vjp(used(recurrent), *arrays)
+    outs, vjp = jax.vjp(used(op), *arrays)
     cotangents = {key: jnp.asarray(rng.normal(size=value.shape), value.dtype) for key, value in outs.items()}
     grads = vjp(cotangents)
-    full = outs if len(outs) == 2 else call(recurrent, *arrays)
+    full = outs if len(outs) == 2 else call(op, *arrays)
 
     with jax.enable_x64(True):
         arrays64 = [jnp.asarray(np.asarray(a, np.float64)) for a in arrays]
@@ -97,6 +103,107 @@ def test_gates(rng, gates, gate_scale):
     check_against_reference(rng, make_inputs(rng, gates=gates, gate_scale=gate_scale))
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("packed", [False, True])
+def test_xla_impl(rng, dtype, packed):
+    """impl="xla" (the lax.scan reference, differentiated by JAX) against the float64 reference."""
+    options = {}
+    if packed:
+        lengths = [4, 0, 1, 6]
+        options = dict(cu_seqlens=jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32), reverse=True)
+        inputs = make_inputs(rng, batch=1, seq_len=13, gates=ALL_GATES, num_states=len(lengths))
+    else:
+        inputs = make_inputs(rng, gates=ALL_GATES)
+    check_against_reference(rng, inputs, dtype=dtype, impl="xla", **options)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_xla_and_triton_agree_on_every_gradient(rng, packed):
+    """The two implementations side by side, in float32, under jax.jit (cu_seqlens traced)."""
+    options = {}
+    if packed:
+        lengths = [5, 1, 0, 4]
+        options["cu_seqlens"] = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
+        inputs = make_inputs(rng, batch=1, seq_len=12, heads=4, kv_heads=2, gates=ALL_GATES,
+                             num_states=len(lengths))
+    else:
+        inputs = make_inputs(rng, gates=ALL_GATES)
+    names = list(inputs)
+    arrays = [jnp.asarray(inputs[name], jnp.float32) for name in names]
+    weights_o = jnp.asarray(rng.normal(size=arrays[0].shape[:3] + (arrays[2].shape[-1],)), jnp.float32)
+
+    def loss(impl):
+        @jax.jit
+        def f(arrays, cu_seqlens=None):
+            o, state = recurrent(**dict(zip(names, arrays)), cu_seqlens=cu_seqlens, impl=impl)
+            return jnp.sum(o * weights_o) + jnp.sum(jnp.sin(state))
+        return jax.value_and_grad(f)(arrays, options.get("cu_seqlens"))
+
+    (value_xla, grads_xla), (value_triton, grads_triton) = loss("xla"), loss("triton")
+    assert abs(float(value_xla - value_triton)) <= TOLERANCE["float32"] * abs(float(value_xla))
+    for name, a, b in zip(names, grads_xla, grads_triton):
+        assert a.dtype == b.dtype == jnp.float32, name
+        assert rel_err(b, np.asarray(a, np.float64)) <= TOLERANCE["float32"], name
+
+
+def test_xla_impl_under_vmap_grad_and_jit(rng):
+    """impl="xla" composes like the kernels: vmap (cu_seqlens mapped too) of jit of grad equals a
+    loop over the elements."""
+    lengths = [[3, 0, 6], [1, 7, 1]]
+    cus = jnp.asarray([np.concatenate([[0], np.cumsum(lens)]) for lens in lengths], jnp.int32)
+    inputs = [make_inputs(rng, batch=1, seq_len=10, gates=ALL_GATES, num_states=3) for _ in lengths]
+    names = list(inputs[0])
+    stacked = [jnp.asarray(np.stack([x[name] for x in inputs]), jnp.float32) for name in names]
+
+    def loss(arrays, cu_seqlens):
+        o, state = recurrent(**dict(zip(names, arrays)), cu_seqlens=cu_seqlens, impl="xla")
+        return jnp.sum(o ** 2) + jnp.sum(state)
+
+    grads = jax.vmap(jax.jit(jax.grad(loss)))(stacked, cus)
+    for i in range(len(lengths)):
+        expected = jax.grad(loss)([x[i] for x in stacked], cus[i])
+        for name, got, want in zip(names, grads, expected):
+            assert rel_err(got[i], np.asarray(want, np.float64)) <= TOLERANCE["float32"], name
+
+
+def test_float64_takes_the_xla_path(rng):
+    """The kernels accumulate in float32: float64 is refused by impl="triton" (a ValueError naming
+    the argument), and computed in float64 by impl="xla"."""
+    arrays = {n: jnp.asarray(x, jnp.float32) for n, x in make_inputs(rng, gates=("g",)).items()}
+    for name in ("query", "g", "initial_state"):
+        with jax.enable_x64(True):
+            bad = {**arrays, name: jnp.asarray(np.asarray(arrays[name]), jnp.float64)}
+            with pytest.raises(ValueError, match=f"{name}: the Triton kernels take"):
+                recurrent(**bad, impl="triton")
+    with jax.enable_x64(True):
+        arrays64 = {n: jnp.asarray(x, jnp.float64) for n, x in make_inputs(rng, gates=("g",)).items()}
+        o, state = recurrent(**arrays64, impl="xla")
+        ref_o, ref_state = reference(**arrays64)
+        assert o.dtype == state.dtype == jnp.float64
+        np.testing.assert_allclose(o, ref_o, rtol=1e-12, atol=1e-12)  # jitted: float64 rounding only
+        np.testing.assert_allclose(state, ref_state, rtol=1e-12, atol=1e-12)
+
+
+def test_impl_and_config_are_checked():
+    q = jnp.zeros((1, 4, 2, 3))
+    for bad in ("cuda", None, 1):
+        with pytest.raises(ValueError, match="impl"):
+            recurrent(q, q, q, impl=bad)
+    with pytest.raises(ValueError, match="config"):
+        recurrent(q, q, q, impl="triton", config=(4, 8, 1))
+    for field, value in [("fwd_block_k", 6), ("bwd_block_v", 0), ("fwd_num_warps", 3), ("bwd_block_k", 4.0),
+                         ("fwd_block_v", True)]:
+        with pytest.raises(ValueError, match=f"RecurrentConfig.{field}"):
+            RecurrentConfig(**{field: value})
+    config = RecurrentConfig(fwd_block_k=np.int64(8), bwd_num_warps=np.int32(2))
+    assert type(config.fwd_block_k) is int and type(config.bwd_num_warps) is int
+    assert config.blocks("fwd", 128, 128) == (8, 8, 1) and config.blocks("bwd", 128, 128) == (128, 16, 2)
+    # The defaults: all of K up to 128, narrow V tiles, warps by the tile's size.
+    assert RecurrentConfig().blocks("fwd", 128, 128) == (128, 16, 4)
+    assert RecurrentConfig().blocks("bwd", 64, 64) == (64, 8, 2)
+    assert RecurrentConfig().blocks("fwd", 6, 9) == (8, 8, 1)
+
+
 def test_reverse_without_initial_state_and_custom_scale(rng):
     inputs = make_inputs(rng, gates=ALL_GATES, with_state=False, key_dim=16, value_dim=5)
     check_against_reference(rng, inputs, reverse=True, softmax_scale=0.7)
@@ -127,9 +234,11 @@ def test_half_precision_packed_reverse(rng):
 
 
 @pytest.mark.parametrize("packed", [False, True])
-def test_several_state_tiles(rng, monkeypatch, packed):
-    """Tiles smaller than K and V: outputs and gradients are sums of per-tile partials."""
-    monkeypatch.setattr(recurrent_module, "_block_sizes", lambda key_dim, value_dim: (4, 8, 1))
+def test_several_state_tiles(rng, packed):
+    """Tiles smaller than K and V: outputs and gradients are sums of per-tile partials (the
+    backward's tiles differ from the forward's: it recomputes the state on its own)."""
+    config = RecurrentConfig(fwd_block_k=4, fwd_block_v=8, fwd_num_warps=1, bwd_block_k=2, bwd_block_v=4,
+                             bwd_num_warps=2)
     options = {}
     if packed:
         lengths = [6, 0, 1, 5]
@@ -137,7 +246,7 @@ def test_several_state_tiles(rng, monkeypatch, packed):
         inputs = make_inputs(rng, batch=1, seq_len=13, gates=ALL_GATES, num_states=len(lengths))
     else:
         inputs = make_inputs(rng, gates=ALL_GATES)
-    check_against_reference(rng, inputs, reverse=packed, **options)  # K = 6, V = 9: 2 x 2 tiles
+    check_against_reference(rng, inputs, reverse=packed, config=config, **options)  # K = 6, V = 9
 
 
 @pytest.mark.parametrize("use", [("output",), ("final_state",)])
@@ -151,7 +260,7 @@ def test_state_passing(rng, reverse):
     """Running a sequence in two calls, the first's final state starting the second, equals one call."""
     inputs = {name: jnp.asarray(x, jnp.float32)
               for name, x in make_inputs(rng, gates=ALL_GATES, seq_len=14).items()}
-    o, final_state = recurrent(**inputs, reverse=reverse)
+    o, final_state = triton_recurrent(**inputs, reverse=reverse)
 
     split = 6
     sequence_inputs = ("query", "key", "value", "g", "gk", "gv")
@@ -159,8 +268,8 @@ def test_state_passing(rng, reverse):
     second = {n: x[:, split:] if n in sequence_inputs else x for n, x in inputs.items()}
     if reverse:  # the walk starts at the end: the second half goes first
         first, second = second, first
-    o_first, state = recurrent(**first, reverse=reverse)
-    o_second, final_state_two_calls = recurrent(**{**second, "initial_state": state}, reverse=reverse)
+    o_first, state = triton_recurrent(**first, reverse=reverse)
+    o_second, final_state_two_calls = triton_recurrent(**{**second, "initial_state": state}, reverse=reverse)
     o_two_calls = jnp.concatenate([o_second, o_first] if reverse else [o_first, o_second], axis=1)
     assert rel_err(o_two_calls, o) <= TOLERANCE["float32"]
     assert rel_err(final_state_two_calls, final_state) <= TOLERANCE["float32"]
@@ -172,7 +281,7 @@ def test_no_tokens_in_any_sequence(rng):
               for n, x in make_inputs(rng, batch=1, seq_len=3, gates=ALL_GATES, num_states=2).items()}
     cu_seqlens = jnp.array([0, 0, 0], jnp.int32)
     names = list(inputs)
-    (o, final_state), vjp = jax.vjp(lambda *a: recurrent(**dict(zip(names, a)), cu_seqlens=cu_seqlens),
+    (o, final_state), vjp = jax.vjp(lambda *a: triton_recurrent(**dict(zip(names, a)), cu_seqlens=cu_seqlens),
                                     *inputs.values())
     assert float(jnp.abs(o).max()) == 0.0
     np.testing.assert_array_equal(final_state, inputs["initial_state"])
@@ -296,7 +405,7 @@ def test_empty_key_or_value_dimension(rng, key_dim, value_dim):
     arrays = {n: jnp.asarray(x, jnp.float32) for n, x in make_inputs(rng, key_dim=key_dim, value_dim=value_dim,
                                                                       gates=ALL_GATES).items()}
     names = list(arrays)
-    for fn in (recurrent, reference):
+    for fn in (triton_recurrent, reference):
         (o, state), vjp = jax.vjp(lambda *a: fn(**dict(zip(names, a))), *arrays.values())
         assert o.shape == (2, 11, 2, value_dim) and state.shape == (2, 2, key_dim, value_dim)
         assert float(jnp.abs(o).sum()) == 0.0

@@ -24,8 +24,8 @@ from jax.extend.core import ClosedJaxpr, Jaxpr
 from ejk_lite.launch import vmap_by_folding
 
 cumsum = importlib.import_module("ejk_lite.cumsum")
-pooling = importlib.import_module("ejk_lite.mean_pooling")
-rec = importlib.import_module("ejk_lite.recurrent")
+pooling = importlib.import_module("ejk_lite.pooling")
+rec = importlib.import_module("ejk_lite.linear_attention")
 
 # Triton's interpreter turns a loop bound loaded from memory into an int through a shape-(1,)
 # array, which NumPy deprecates; harmless here.
@@ -193,16 +193,17 @@ def test_cumsum_mapped_cu_seqlens_runs_each_element(rng):
 @pytest.mark.parametrize("op", ["mean", "blocks"])
 @pytest.mark.parametrize("packed", [False, True])
 def test_pooling(rng, op, packed):
-    tiling = pooling.Tiling(block_hidden=16, tokens_per_program=4)  # sequences cross token tiles
+    # sequences cross token tiles, forward and backward
+    config = pooling.PoolingConfig(block_hidden=16, fwd_tile_tokens=4, bwd_tile_tokens=4)
     if packed:
         x, cu = normal(rng, 3, 20, 2, 3), CU
     else:
         x, cu = normal(rng, 3, 2, 9, 6), None
     if op == "mean":
-        fn = lambda x: mean_pooling(x, 2, cu, impl="triton", tiling=tiling)  # noqa: E731
+        fn = lambda x: mean_pooling(x, 2, cu, impl="triton", config=config)  # noqa: E731
         ref = lambda x: pooling.reference(x, cu)  # noqa: E731
     else:
-        fn = lambda x: block_mean_pooling(x, 3, cu, chunk_size=2, impl="triton", tiling=tiling)  # noqa: E731
+        fn = lambda x: block_mean_pooling(x, 3, cu, chunk_size=2, impl="triton", config=config)  # noqa: E731
         ref = lambda x: pooling.reference_blocks(x, 3, cu)  # noqa: E731
     check(rng, fn, ref, [x])
 
@@ -256,7 +257,7 @@ def test_recurrent(rng, packed, mapped):
             o, state = fn(**dict(zip(names, arrays)), reverse=packed, cu_seqlens=cu)
             return jnp.concatenate([o.ravel(), state.ravel()])
         return f
-    check(rng, run(recurrent), run(rec.reference), args, in_axes=in_axes)
+    check(rng, run(functools.partial(recurrent, impl="triton")), run(rec.reference), args, in_axes=in_axes)
 
 
 def test_recurrent_mapped_cu_seqlens(rng):
@@ -264,7 +265,7 @@ def test_recurrent_mapped_cu_seqlens(rng):
     inputs = recurrent_inputs(rng, 2, 1, 20, 3)
 
     def fn(cu, **arrays):
-        o, state = recurrent(**arrays, cu_seqlens=cu)
+        o, state = recurrent(**arrays, cu_seqlens=cu, impl="triton")
         return jnp.sum(o ** 2) + jnp.sum(state)
 
     value, grads = jax.vmap(jax.value_and_grad(lambda a, c: fn(c, **a)))(inputs, cus)

@@ -54,10 +54,19 @@ summed over the group.
 ``jax.vmap`` folds the mapped axis into the batch, so a batch of inputs is one launch of each
 kernel (with packing, every row of the folded batch holds the same sequences); only a mapped
 ``cu_seqlens`` runs one element at a time.
+
+Implementations (``impl=``): ``"triton"``, the kernels below; ``"xla"``, the module's
+:func:`reference` (a ``lax.scan`` over time, differentiated by JAX); ``"auto"``, Triton on a GPU
+and XLA elsewhere. Tiles (``config=``): a :class:`RecurrentConfig`, per direction.
+
+The module reads top to bottom as every op of ejk_lite: the checks and the reference, the
+kernels, the launchers ``_fwd`` / ``_bwd``, one ``custom_vjp``, the public function.
+(The module is ``ejk_lite.linear_attention``; ``ejk_lite.recurrent`` is the function.)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -65,12 +74,29 @@ import jax
 import jax.numpy as jnp
 import triton
 import triton.language as tl
-from jax import Array
+from jax import Array, lax
 
-from ejk_lite.checks import check_floating, static_float
+from ejk_lite.checks import (
+    check_config,
+    check_floating,
+    check_triton_dtype,
+    freeze_fields,
+    next_power_of_2,
+    resolve_impl,
+    static_float,
+    validated_fields,
+)
 from ejk_lite.cumsum import chunk_global_cumsum
 from ejk_lite.launch import triton_call, vmap_by_folding
-from ejk_lite.packing import cdiv, checked_cu_seqlens, prepare_sequence_ids, sanitize_cu_seqlens
+from ejk_lite.packing import (
+    cdiv,
+    check_packed_batch,
+    checked_cu_seqlens,
+    prepare_sequence_ids,
+    sanitize_cu_seqlens,
+)
+
+__all__ = ["recurrent", "reference", "RecurrentConfig"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -107,8 +133,7 @@ def _validate(query, key, value, g, g_gamma, gk, gv, initial_state, cu_seqlens) 
         num_sequences = batch
     else:
         cu_seqlens = checked_cu_seqlens(cu_seqlens, seq_len)
-        if batch != 1:
-            raise ValueError(f"cu_seqlens packs sequences along one row: batch must be 1, got {batch}")
+        check_packed_batch(batch, "query", query.shape)
         num_sequences = cu_seqlens.shape[0] - 1
     _check_shape("initial_state", initial_state, (num_sequences, num_heads, key_dim, value_dim),
                  "[num_sequences, heads, key_dim, value_dim]")
@@ -182,7 +207,8 @@ def reference(
 
     def update(h, q_t, k_t, v_t, a_k, a_v):
         h = h * jnp.exp(a_k)[..., :, None] * jnp.exp(a_v)[..., None, :] + k_t[..., :, None] * v_t[..., None, :]
-        return h, jnp.einsum("...k,...kv->...v", q_t, h)
+        # HIGHEST: on a GPU the default precision of a float32 dot may be TF32 (10-bit mantissa).
+        return h, jnp.einsum("...k,...kv->...v", q_t, h, precision=lax.Precision.HIGHEST)
 
     if initial_state is None:
         h0 = jnp.zeros((num_sequences, num_heads, key_dim, value_dim), dtype)
@@ -219,19 +245,25 @@ def reference(
 # Every kernel walks a sequence token by token, and a step does little arithmetic: its time is
 # mostly the latency of loading that token's vectors. So each walk loads token i + 1's vectors
 # while it works on token i (software prefetch, one token ahead): on an H100 that made the walks
-# about 2.5x faster. (Some code is written the long way, without small helper functions: each call
-# of a @triton.jit function is slow in Triton's interpreter, which runs the tests on CPU.)
+# about 2.5x faster. (The loop bodies call one helper, _load_token, per token and nothing else:
+# each call of a @triton.jit function is slow in Triton's interpreter, which runs the tests on CPU.)
+#
+# The kernels' own signatures are flat (jax-triton passes one pointer per array); they group what
+# the helpers need at once: ``ins``, the per-token inputs advanced to this program's head, as one
+# tuple; ``walk``, where this program's walk goes (from ``_walk_start``, the one preamble of all
+# three walks); ``outs``, the outputs advanced to this program's tile and head. Flags follow
+# flash-linear-attention: USE_* for an optional input, IS_VARLEN for packed sequences.
 # ----------------------------------------------------------------------------------------------
 
 
 @triton.jit
-def _sequence_bounds(cu_seqlens, i_n, seq_len, seqs_per_row, VARLEN: tl.constexpr):
+def _sequence_bounds(cu_seqlens, i_n, seq_len, seqs_per_row, IS_VARLEN: tl.constexpr):
     """First and one-past-last token of sequence ``i_n`` in the flattened [B * T] token axis.
 
     With packing, sequence ``i_n`` is sequence ``i_n % seqs_per_row`` of row
     ``i_n // seqs_per_row``: the rows share ``cu_seqlens`` (there are several only when
     ``jax.vmap`` folded a mapped axis into the batch)."""
-    if VARLEN:
+    if IS_VARLEN:
         row = i_n // seqs_per_row
         i_s = i_n % seqs_per_row
         # Clamped (the launch already hands over a valid packing; this is the second line of
@@ -247,29 +279,68 @@ def _sequence_bounds(cu_seqlens, i_n, seq_len, seqs_per_row, VARLEN: tl.constexp
 
 
 @triton.jit
-def _load_token(q, k, v, do, g, gk, gv, tok, valid, i_h, i_kv, g_gamma_h, offs_k, offs_v, mask_k, mask_v,
-                zeros_k, zeros_v, H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                LOAD_Q: tl.constexpr, LOAD_DO: tl.constexpr,
-                HAS_G: tl.constexpr, HAS_GK: tl.constexpr, HAS_GV: tl.constexpr):
-    """One token's vectors in fp32: q, k, v, do (where asked for) and the log-decays ``a`` (along K)
-    and ``b`` (along V). Nothing is read when ``valid`` is false (the prefetch past the last token)."""
-    mask_k, mask_v = mask_k & valid, mask_v & valid
-    b_k = tl.load(k + (tok * H_KV + i_kv) * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-    b_v = tl.load(v + (tok * H_KV + i_kv) * V + offs_v, mask=mask_v, other=0.0).to(tl.float32)
-    b_q = zeros_k
+def _walk_start(cu_seqlens, g_gamma, i_v, i_k, i_nh, seq_len, seqs_per_row,
+                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                USE_G_GAMMA: tl.constexpr, BACKWARDS: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Where the walk of program ``(i_v, i_k, i_nh)`` goes: ``(i_h, walk)``.
+
+    The program owns V tile ``i_v`` and K tile ``i_k`` of the state of query head ``i_h`` of
+    sequence ``i_nh // H``. ``walk = (first, step, n, a0, offs_k, offs_v, state)``: it visits the
+    ``n`` tokens ``first + i * step`` (``step = -1`` walking ``BACKWARDS``, from the last token);
+    ``a0`` is the head's constant log-decay ``g_gamma`` (0 without it); ``offs_k`` / ``offs_v``
+    are the tile's columns and ``state`` the offsets of its ``[BK, BV]`` block in a ``[N, H, K, V]``
+    state.
+    """
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, eos = _sequence_bounds(cu_seqlens, i_n, seq_len, seqs_per_row, IS_VARLEN)
+    if BACKWARDS:
+        first, step = eos - 1, -1
+    else:
+        first, step = bos, 1
+    offs_k = i_k * BK + tl.arange(0, BK)
+    offs_v = i_v * BV + tl.arange(0, BV)
+    state = i_nh.to(tl.int64) * K * V + offs_k[:, None] * V + offs_v[None, :]
+    a0 = 0.0
+    if USE_G_GAMMA:
+        a0 = tl.load(g_gamma + i_h).to(tl.float32)
+    return i_h, (first, step, eos - bos, a0, offs_k, offs_v, state)
+
+
+@triton.jit
+def _head_inputs(q, k, v, do, g, gk, gv, i_h,
+                 H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
+    """The per-token inputs advanced to query head ``i_h`` (and its key/value head), as one tuple;
+    token ``t``'s vector then sits ``t`` token strides further (see ``_load_token``)."""
+    i_kv = i_h // (H // H_KV)
+    return (q + i_h * K, k + i_kv * K, v + i_kv * V, do + i_h * V, g + i_h, gk + i_h * K, gv + i_h * V)
+
+
+@triton.jit
+def _load_token(ins, tok, valid, a0, offs_k, offs_v,
+                H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                BK: tl.constexpr, BV: tl.constexpr, LOAD_Q: tl.constexpr, LOAD_DO: tl.constexpr,
+                USE_G: tl.constexpr, USE_GK: tl.constexpr, USE_GV: tl.constexpr):
+    """Token ``tok``'s vectors in fp32: q, k, v, do (where asked for) and the log-decays ``a``
+    (along K) and ``b`` (along V). Nothing is read when ``valid`` is false (the prefetch past the
+    last token)."""
+    q, k, v, do, g, gk, gv = ins
+    mask_k, mask_v = (offs_k < K) & valid, (offs_v < V) & valid
+    b_k = tl.load(k + tok * (H_KV * K) + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+    b_v = tl.load(v + tok * (H_KV * V) + offs_v, mask=mask_v, other=0.0).to(tl.float32)
+    b_q = tl.zeros([BK], dtype=tl.float32)
     if LOAD_Q:
-        b_q = tl.load(q + (tok * H + i_h) * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-    b_do = zeros_v
+        b_q = tl.load(q + tok * (H * K) + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+    b_do = tl.zeros([BV], dtype=tl.float32)
     if LOAD_DO:
-        b_do = tl.load(do + (tok * H + i_h) * V + offs_v, mask=mask_v, other=0.0).to(tl.float32)
-    b_a = zeros_k + g_gamma_h
-    if HAS_G:
-        b_a += tl.load(g + tok * H + i_h, mask=valid, other=0.0).to(tl.float32)
-    if HAS_GK:
-        b_a += tl.load(gk + (tok * H + i_h) * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-    b_b = zeros_v
-    if HAS_GV:
-        b_b = tl.load(gv + (tok * H + i_h) * V + offs_v, mask=mask_v, other=0.0).to(tl.float32)
+        b_do = tl.load(do + tok * (H * V) + offs_v, mask=mask_v, other=0.0).to(tl.float32)
+    b_a = tl.zeros([BK], dtype=tl.float32) + a0
+    if USE_G:
+        b_a += tl.load(g + tok * H, mask=valid, other=0.0).to(tl.float32)
+    if USE_GK:
+        b_a += tl.load(gk + tok * (H * K) + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+    b_b = tl.zeros([BV], dtype=tl.float32)
+    if USE_GV:
+        b_b = tl.load(gv + tok * (H * V) + offs_v, mask=mask_v, other=0.0).to(tl.float32)
     return b_q, b_k, b_v, b_do, b_a, b_b
 
 
@@ -278,139 +349,99 @@ def _forward_kernel(
     q, k, v, g, g_gamma, gk, gv, h0, cu_seqlens,  # inputs; an absent one is a 1-element stand-in
     seq_len, total_tokens, seqs_per_row,
     o, ht,  # outputs: o as [NK, B * T, H, V] partials over K tiles, ht [N, H, K, V] fp32
-    H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    SCALE: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_K_DECAY: tl.constexpr, HAS_G: tl.constexpr, HAS_G_GAMMA: tl.constexpr,
-    HAS_GK: tl.constexpr, HAS_GV: tl.constexpr, HAS_H0: tl.constexpr,
-    REVERSE: tl.constexpr, VARLEN: tl.constexpr,
+    H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, SCALE: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr,
+    USE_G: tl.constexpr, USE_G_GAMMA: tl.constexpr, USE_GK: tl.constexpr, USE_GV: tl.constexpr,
+    USE_INITIAL_STATE: tl.constexpr, REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
-    # One program: V tile i_v and K tile i_k of the state of query head i_h of sequence i_n.
+    K_DECAY: tl.constexpr = USE_G or USE_G_GAMMA or USE_GK
     i_v, i_k, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_n, i_h = i_nh // H, i_nh % H
-    i_kv = i_h // (H // H_KV)
-    bos, eos = _sequence_bounds(cu_seqlens, i_n, seq_len, seqs_per_row, VARLEN)
-    n = eos - bos
-    if REVERSE:  # the walk visits tokens first + i * step
-        first, step = eos - 1, -1
-    else:
-        first, step = bos, 1
-
-    offs_k = i_k * BK + tl.arange(0, BK)
-    offs_v = i_v * BV + tl.arange(0, BV)
-    mask_k, mask_v = offs_k < K, offs_v < V
-    mask_h = mask_k[:, None] & mask_v[None, :]
-    state_offsets = i_nh.to(tl.int64) * K * V + offs_k[:, None] * V + offs_v[None, :]
-    zeros_k, zeros_v = tl.zeros([BK], dtype=tl.float32), tl.zeros([BV], dtype=tl.float32)
+    i_h, walk = _walk_start(cu_seqlens, g_gamma, i_v, i_k, i_nh, seq_len, seqs_per_row,
+                            H, K, V, BK, BV, USE_G_GAMMA, REVERSE, IS_VARLEN)
+    first, step, n, a0, offs_k, offs_v, state = walk
+    ins = _head_inputs(q, k, v, q, g, gk, gv, i_h, H, H_KV, K, V)  # no do: q stands in
+    o += (i_k.to(tl.int64) * total_tokens * H + i_h) * V  # this K tile's partial, head i_h
+    mask_v = offs_v < V
+    mask_h = (offs_k < K)[:, None] & mask_v[None, :]
 
     h = tl.zeros([BK, BV], dtype=tl.float32)
-    if HAS_H0:
-        h += tl.load(h0 + state_offsets, mask=mask_h, other=0.0).to(tl.float32)
-    g_gamma_h = 0.0
-    if HAS_G_GAMMA:
-        g_gamma_h = tl.load(g_gamma + i_h).to(tl.float32)
-
-    nq, nk, nv, _, na, nb = _load_token(q, k, v, q, g, gk, gv, first, n > 0, i_h, i_kv, g_gamma_h,
-                                        offs_k, offs_v, mask_k, mask_v, zeros_k, zeros_v, H, H_KV, K, V,
-                                        True, False, HAS_G, HAS_GK, HAS_GV)
+    if USE_INITIAL_STATE:
+        h += tl.load(h0 + state, mask=mask_h, other=0.0).to(tl.float32)
+    nq, nk, nv, _, na, nb = _load_token(ins, first, n > 0, a0, offs_k, offs_v, H, H_KV, K, V, BK, BV,
+                                        True, False, USE_G, USE_GK, USE_GV)
     for i in range(0, n):
         b_q, b_k, b_v, b_a, b_b = nq, nk, nv, na, nb
-        nq, nk, nv, _, na, nb = _load_token(q, k, v, q, g, gk, gv, first + (i + 1) * step, i + 1 < n, i_h, i_kv,
-                                            g_gamma_h, offs_k, offs_v, mask_k, mask_v, zeros_k, zeros_v,
-                                            H, H_KV, K, V, True, False, HAS_G, HAS_GK, HAS_GV)
-        if HAS_K_DECAY:
+        nq, nk, nv, _, na, nb = _load_token(ins, first + (i + 1) * step, i + 1 < n, a0, offs_k, offs_v,
+                                            H, H_KV, K, V, BK, BV, True, False, USE_G, USE_GK, USE_GV)
+        if K_DECAY:
             h = h * tl.exp(b_a)[:, None]
-        if HAS_GV:
+        if USE_GV:
             h = h * tl.exp(b_b)[None, :]
         h += b_k[:, None] * b_v[None, :]
         b_o = tl.sum(h * (b_q * SCALE)[:, None], axis=0)
         tok = first + i * step
-        tl.store(o + ((i_k * total_tokens + tok) * H + i_h) * V + offs_v, b_o.to(o.dtype.element_ty), mask=mask_v)
+        tl.store(o + tok * (H * V) + offs_v, b_o.to(o.dtype.element_ty), mask=mask_v)
 
-    tl.store(ht + state_offsets, h, mask=mask_h)
+    tl.store(ht + state, h, mask=mask_h)
 
 
 @triton.jit
-def _dq_walk(
-    q, k, v, g, g_gamma, gk, gv, h0, cu_seqlens, do, dht, dq, q_dq, o_do, last_k, last_v,
-    i_v, i_k, i_nh, num_heads_total, seq_len, total_tokens, seqs_per_row,
-    H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    SCALE: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_K_DECAY: tl.constexpr, HAS_G: tl.constexpr, HAS_G_GAMMA: tl.constexpr,
-    HAS_GK: tl.constexpr, HAS_GV: tl.constexpr, HAS_H0: tl.constexpr, HAS_DHT: tl.constexpr,
-    REVERSE: tl.constexpr, VARLEN: tl.constexpr,
-):
+def _dq_walk(ins, outs, h0, dht, walk, SCALE: tl.constexpr,
+             H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+             BK: tl.constexpr, BV: tl.constexpr, K_DECAY: tl.constexpr,
+             USE_G: tl.constexpr, USE_GK: tl.constexpr, USE_GV: tl.constexpr,
+             USE_INITIAL_STATE: tl.constexpr, USE_DHT: tl.constexpr):
     # The forward walk again, recomputing the state, for dq_t = scale * h_t do_t. Splitting
     # h_t = P_t + k_t^T v_t, with P_t = decay_t * h_{t-1}, gives dq_t = scale * (P_t do_t + k_t (v_t . do_t)).
     # The gates need only the first part, so it is written out on its own (times q_t), and so is
     # the final state's share sum_V(P_T * dh_final) from the last step.
-    i_n, i_h = i_nh // H, i_nh % H
-    i_kv = i_h // (H // H_KV)
-    bos, eos = _sequence_bounds(cu_seqlens, i_n, seq_len, seqs_per_row, VARLEN)
-    n = eos - bos
-    if REVERSE:
-        first, step = eos - 1, -1
-    else:
-        first, step = bos, 1
-    GATED: tl.constexpr = HAS_K_DECAY or HAS_GV
-
-    offs_k = i_k * BK + tl.arange(0, BK)
-    offs_v = i_v * BV + tl.arange(0, BV)
+    first, step, n, a0, offs_k, offs_v, state = walk
+    dq, q_dq, o_do, last_k, last_v = outs
+    GATED: tl.constexpr = K_DECAY or USE_GV
     mask_k, mask_v = offs_k < K, offs_v < V
     mask_h = mask_k[:, None] & mask_v[None, :]
-    state_offsets = i_nh.to(tl.int64) * K * V + offs_k[:, None] * V + offs_v[None, :]
-    zeros_k, zeros_v = tl.zeros([BK], dtype=tl.float32), tl.zeros([BV], dtype=tl.float32)
 
     h = tl.zeros([BK, BV], dtype=tl.float32)
-    if HAS_H0:
-        h += tl.load(h0 + state_offsets, mask=mask_h, other=0.0).to(tl.float32)
+    if USE_INITIAL_STATE:
+        h += tl.load(h0 + state, mask=mask_h, other=0.0).to(tl.float32)
     h_decayed = tl.zeros([BK, BV], dtype=tl.float32)
-    g_gamma_h = 0.0
-    if HAS_G_GAMMA:
-        g_gamma_h = tl.load(g_gamma + i_h).to(tl.float32)
-
-    nq, nk, nv, ndo, na, nb = _load_token(q, k, v, do, g, gk, gv, first, n > 0, i_h, i_kv, g_gamma_h,
-                                          offs_k, offs_v, mask_k, mask_v, zeros_k, zeros_v, H, H_KV, K, V,
-                                          GATED, True, HAS_G, HAS_GK, HAS_GV)
+    nq, nk, nv, ndo, na, nb = _load_token(ins, first, n > 0, a0, offs_k, offs_v, H, H_KV, K, V, BK, BV,
+                                          GATED, True, USE_G, USE_GK, USE_GV)
     for i in range(0, n):
         b_q, b_k, b_v, b_do, b_a, b_b = nq, nk, nv, ndo, na, nb
-        nq, nk, nv, ndo, na, nb = _load_token(q, k, v, do, g, gk, gv, first + (i + 1) * step, i + 1 < n, i_h, i_kv,
-                                              g_gamma_h, offs_k, offs_v, mask_k, mask_v, zeros_k, zeros_v,
-                                              H, H_KV, K, V, GATED, True, HAS_G, HAS_GK, HAS_GV)
+        nq, nk, nv, ndo, na, nb = _load_token(ins, first + (i + 1) * step, i + 1 < n, a0, offs_k, offs_v,
+                                              H, H_KV, K, V, BK, BV, GATED, True, USE_G, USE_GK, USE_GV)
         tok = first + i * step
-        if HAS_K_DECAY:  # h becomes P_t = decay_t * h_{t-1}
+        if K_DECAY:  # h becomes P_t = decay_t * h_{t-1}
             h = h * tl.exp(b_a)[:, None]
-        if HAS_GV:
+        if USE_GV:
             h = h * tl.exp(b_b)[None, :]
-        if GATED and HAS_DHT:
+        if GATED and USE_DHT:
             h_decayed = h
         b_h_do = tl.sum(h * b_do[None, :], axis=1)
         b_dq = SCALE * (b_h_do + b_k * tl.sum(b_v * b_do))
-        tl.store(dq + ((i_v * total_tokens + tok) * H + i_h) * K + offs_k, b_dq, mask=mask_k)
-        if HAS_K_DECAY:
-            tl.store(q_dq + ((i_v * total_tokens + tok) * H + i_h) * K + offs_k, SCALE * b_q * b_h_do, mask=mask_k)
-        if HAS_GV:
+        tl.store(dq + tok * (H * K) + offs_k, b_dq, mask=mask_k)
+        if K_DECAY:
+            tl.store(q_dq + tok * (H * K) + offs_k, SCALE * b_q * b_h_do, mask=mask_k)
+        if USE_GV:
             b_q_h = tl.sum(h * (b_q * SCALE)[:, None], axis=0)
-            tl.store(o_do + ((i_k * total_tokens + tok) * H + i_h) * V + offs_v, b_q_h * b_do, mask=mask_v)
+            tl.store(o_do + tok * (H * V) + offs_v, b_q_h * b_do, mask=mask_v)
         h += b_k[:, None] * b_v[None, :]
 
-    if GATED and HAS_DHT:  # (zero for an empty sequence)
-        last_dh = h_decayed * tl.load(dht + state_offsets, mask=mask_h, other=0.0)
-        if HAS_K_DECAY:
-            tl.store(last_k + (i_v * num_heads_total + i_nh) * K + offs_k, tl.sum(last_dh, axis=1), mask=mask_k)
-        if HAS_GV:
-            tl.store(last_v + (i_k * num_heads_total + i_nh) * V + offs_v, tl.sum(last_dh, axis=0), mask=mask_v)
+    if GATED and USE_DHT:  # (zero for an empty sequence)
+        last_dh = h_decayed * tl.load(dht + state, mask=mask_h, other=0.0)
+        if K_DECAY:
+            tl.store(last_k + offs_k, tl.sum(last_dh, axis=1), mask=mask_k)
+        if USE_GV:
+            tl.store(last_v + offs_v, tl.sum(last_dh, axis=0), mask=mask_v)
 
 
 @triton.jit
-def _dkv_walk(
-    q, k, v, g, g_gamma, gk, gv, cu_seqlens, do, dht, dk, dv, k_dh_v, v_dh_k, dh0,
-    i_v, i_k, i_nh, seq_len, total_tokens, seqs_per_row,
-    H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    SCALE: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_K_DECAY: tl.constexpr, HAS_G: tl.constexpr, HAS_G_GAMMA: tl.constexpr,
-    HAS_GK: tl.constexpr, HAS_GV: tl.constexpr, HAS_H0: tl.constexpr, HAS_DHT: tl.constexpr,
-    REVERSE: tl.constexpr, VARLEN: tl.constexpr,
-):
+def _dkv_walk(ins, outs, dht, walk, SCALE: tl.constexpr,
+              H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+              BK: tl.constexpr, BV: tl.constexpr, K_DECAY: tl.constexpr,
+              USE_G: tl.constexpr, USE_GK: tl.constexpr, USE_GV: tl.constexpr,
+              USE_INITIAL_STATE: tl.constexpr, USE_DHT: tl.constexpr):
     # The reverse walk. `dh` carries decay_{t+1} * dH_{t+1}, the gradient reaching h_t from later
     # tokens (the final state's cotangent at the start). At token t:
     #     dH_t = dh + scale * q_t^T do_t
@@ -418,88 +449,78 @@ def _dkv_walk(
     #     dv_t = dH_t^T k_t = dh^T k_t + scale * do_t (q_t . k_t)
     # The gates' per-token terms are -k_t * (dh v_t) and -v_t * (dh^T k_t), except at the
     # sequence's last token (this walk's first), where they cancel against the final state's share.
-    i_n, i_h = i_nh // H, i_nh % H
-    i_kv = i_h // (H // H_KV)
-    bos, eos = _sequence_bounds(cu_seqlens, i_n, seq_len, seqs_per_row, VARLEN)
-    n = eos - bos
-    if REVERSE:  # this walk runs against the forward's direction
-        first, step = bos, 1
-    else:
-        first, step = eos - 1, -1
-
-    offs_k = i_k * BK + tl.arange(0, BK)
-    offs_v = i_v * BV + tl.arange(0, BV)
+    first, step, n, a0, offs_k, offs_v, state = walk
+    dk, dv, k_dh_v, v_dh_k, dh0 = outs
     mask_k, mask_v = offs_k < K, offs_v < V
     mask_h = mask_k[:, None] & mask_v[None, :]
-    state_offsets = i_nh.to(tl.int64) * K * V + offs_k[:, None] * V + offs_v[None, :]
-    zeros_k, zeros_v = tl.zeros([BK], dtype=tl.float32), tl.zeros([BV], dtype=tl.float32)
 
     dh = tl.zeros([BK, BV], dtype=tl.float32)
-    if HAS_DHT:
-        dh += tl.load(dht + state_offsets, mask=mask_h, other=0.0).to(tl.float32)
-    g_gamma_h = 0.0
-    if HAS_G_GAMMA:
-        g_gamma_h = tl.load(g_gamma + i_h).to(tl.float32)
-
-    nq, nk, nv, ndo, na, nb = _load_token(q, k, v, do, g, gk, gv, first, n > 0, i_h, i_kv, g_gamma_h,
-                                          offs_k, offs_v, mask_k, mask_v, zeros_k, zeros_v, H, H_KV, K, V,
-                                          True, True, HAS_G, HAS_GK, HAS_GV)
+    if USE_DHT:
+        dh += tl.load(dht + state, mask=mask_h, other=0.0).to(tl.float32)
+    nq, nk, nv, ndo, na, nb = _load_token(ins, first, n > 0, a0, offs_k, offs_v, H, H_KV, K, V, BK, BV,
+                                          True, True, USE_G, USE_GK, USE_GV)
     for i in range(0, n):
         b_q, b_k, b_v, b_do, b_a, b_b = nq, nk, nv, ndo, na, nb
-        nq, nk, nv, ndo, na, nb = _load_token(q, k, v, do, g, gk, gv, first + (i + 1) * step, i + 1 < n, i_h, i_kv,
-                                              g_gamma_h, offs_k, offs_v, mask_k, mask_v, zeros_k, zeros_v,
-                                              H, H_KV, K, V, True, True, HAS_G, HAS_GK, HAS_GV)
+        nq, nk, nv, ndo, na, nb = _load_token(ins, first + (i + 1) * step, i + 1 < n, a0, offs_k, offs_v,
+                                              H, H_KV, K, V, BK, BV, True, True, USE_G, USE_GK, USE_GV)
         tok = first + i * step
         b_q = b_q * SCALE
         b_dh_v = tl.sum(dh * b_v[None, :], axis=1)
         b_dh_k = tl.sum(dh * b_k[:, None], axis=0)
-        tl.store(dk + ((i_v * total_tokens + tok) * H + i_h) * K + offs_k, b_dh_v + b_q * tl.sum(b_do * b_v),
-                 mask=mask_k)
-        tl.store(dv + ((i_k * total_tokens + tok) * H + i_h) * V + offs_v, b_dh_k + b_do * tl.sum(b_q * b_k),
-                 mask=mask_v)
-        if HAS_K_DECAY:
-            tl.store(k_dh_v + ((i_v * total_tokens + tok) * H + i_h) * K + offs_k,
-                     tl.where(i > 0, -b_k * b_dh_v, 0.0), mask=mask_k)
-        if HAS_GV:
-            tl.store(v_dh_k + ((i_k * total_tokens + tok) * H + i_h) * V + offs_v,
-                     tl.where(i > 0, -b_v * b_dh_k, 0.0), mask=mask_v)
+        tl.store(dk + tok * (H * K) + offs_k, b_dh_v + b_q * tl.sum(b_do * b_v), mask=mask_k)
+        tl.store(dv + tok * (H * V) + offs_v, b_dh_k + b_do * tl.sum(b_q * b_k), mask=mask_v)
+        if K_DECAY:
+            tl.store(k_dh_v + tok * (H * K) + offs_k, tl.where(i > 0, -b_k * b_dh_v, 0.0), mask=mask_k)
+        if USE_GV:
+            tl.store(v_dh_k + tok * (H * V) + offs_v, tl.where(i > 0, -b_v * b_dh_k, 0.0), mask=mask_v)
         dh += b_q[:, None] * b_do[None, :]  # dH_t
-        if HAS_K_DECAY:  # decay_t * dH_t, for the token before
+        if K_DECAY:  # decay_t * dH_t, for the token before
             dh = dh * tl.exp(b_a)[:, None]
-        if HAS_GV:
+        if USE_GV:
             dh = dh * tl.exp(b_b)[None, :]
 
-    if HAS_H0:
-        tl.store(dh0 + state_offsets, dh, mask=mask_h)
+    if USE_INITIAL_STATE:
+        tl.store(dh0 + state, dh, mask=mask_h)
 
 
 @triton.jit
 def _backward_kernel(
     q, k, v, g, g_gamma, gk, gv, h0, cu_seqlens, do, dht,
     seq_len, total_tokens, seqs_per_row,
-    dq, q_dq, o_do, last_k, last_v, dk, dv, k_dh_v, v_dh_k, dh0,  # outputs, fp32; see _backward
-    H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    SCALE: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_K_DECAY: tl.constexpr, HAS_G: tl.constexpr, HAS_G_GAMMA: tl.constexpr,
-    HAS_GK: tl.constexpr, HAS_GV: tl.constexpr, HAS_H0: tl.constexpr, HAS_DHT: tl.constexpr,
-    REVERSE: tl.constexpr, VARLEN: tl.constexpr,
+    dq, q_dq, o_do, last_k, last_v, dk, dv, k_dh_v, v_dh_k, dh0,  # outputs, fp32; see _bwd
+    H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, SCALE: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr,
+    USE_G: tl.constexpr, USE_G_GAMMA: tl.constexpr, USE_GK: tl.constexpr, USE_GV: tl.constexpr,
+    USE_INITIAL_STATE: tl.constexpr, USE_DHT: tl.constexpr, REVERSE: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
 ):
     # The two walks of the backward do not depend on each other, so one launch runs both side by
     # side: programs 0 .. N*H - 1 (along the last grid axis) walk forwards for dq, the rest backwards
     # for dk, dv and d initial_state. Each walk is latency-bound, so together they take about as
     # long as one.
+    K_DECAY: tl.constexpr = USE_G or USE_G_GAMMA or USE_GK
     i_v, i_k, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    num_heads_total = tl.num_programs(2) // 2
-    if i_nh < num_heads_total:
-        _dq_walk(q, k, v, g, g_gamma, gk, gv, h0, cu_seqlens, do, dht, dq, q_dq, o_do, last_k, last_v,
-                  i_v, i_k, i_nh, num_heads_total, seq_len, total_tokens, seqs_per_row,
-                  H, H_KV, K, V, SCALE, BK, BV,
-                  HAS_K_DECAY, HAS_G, HAS_G_GAMMA, HAS_GK, HAS_GV, HAS_H0, HAS_DHT, REVERSE, VARLEN)
+    num_walks = tl.num_programs(2) // 2
+    if i_nh < num_walks:
+        i_h, dq_walk = _walk_start(cu_seqlens, g_gamma, i_v, i_k, i_nh, seq_len, seqs_per_row,
+                                   H, K, V, BK, BV, USE_G_GAMMA, REVERSE, IS_VARLEN)
+        rows_k = (i_v.to(tl.int64) * total_tokens * H + i_h) * K  # partials over V tiles, head i_h
+        rows_v = (i_k.to(tl.int64) * total_tokens * H + i_h) * V  # partials over K tiles
+        _dq_walk(_head_inputs(q, k, v, do, g, gk, gv, i_h, H, H_KV, K, V),
+                 (dq + rows_k, q_dq + rows_k, o_do + rows_v,
+                  last_k + (i_v.to(tl.int64) * num_walks + i_nh) * K,
+                  last_v + (i_k.to(tl.int64) * num_walks + i_nh) * V),
+                 h0, dht, dq_walk, SCALE, H, H_KV, K, V, BK, BV, K_DECAY, USE_G, USE_GK, USE_GV,
+                 USE_INITIAL_STATE, USE_DHT)
     else:
-        _dkv_walk(q, k, v, g, g_gamma, gk, gv, cu_seqlens, do, dht, dk, dv, k_dh_v, v_dh_k, dh0,
-                   i_v, i_k, i_nh - num_heads_total, seq_len, total_tokens, seqs_per_row,
-                   H, H_KV, K, V, SCALE, BK, BV,
-                   HAS_K_DECAY, HAS_G, HAS_G_GAMMA, HAS_GK, HAS_GV, HAS_H0, HAS_DHT, REVERSE, VARLEN)
+        i_h, dkv_walk = _walk_start(cu_seqlens, g_gamma, i_v, i_k, i_nh - num_walks, seq_len, seqs_per_row,
+                                    H, K, V, BK, BV, USE_G_GAMMA, not REVERSE, IS_VARLEN)
+        rows_k = (i_v.to(tl.int64) * total_tokens * H + i_h) * K
+        rows_v = (i_k.to(tl.int64) * total_tokens * H + i_h) * V
+        _dkv_walk(_head_inputs(q, k, v, do, g, gk, gv, i_h, H, H_KV, K, V),
+                  (dk + rows_k, dv + rows_v, k_dh_v + rows_k, v_dh_k + rows_v, dh0),
+                  dht, dkv_walk, SCALE, H, H_KV, K, V, BK, BV, K_DECAY, USE_G, USE_GK, USE_GV,
+                  USE_INITIAL_STATE, USE_DHT)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -507,29 +528,59 @@ def _backward_kernel(
 # ----------------------------------------------------------------------------------------------
 
 
-def _block_sizes(key_dim: int, value_dim: int) -> tuple[int, int, int]:
-    """(BK, BV, num_warps): every kernel works on [BK, BV] tiles of the fp32 state.
+@dataclasses.dataclass(frozen=True)
+class RecurrentConfig:
+    """Tiles of the Triton kernels, per direction: ``fwd_*`` for the forward kernel, ``bwd_*`` for
+    the backward one (which recomputes the state itself, so its tiles need not match).
 
-    A step of a walk costs about one memory latency (partly hidden by the prefetch) however little
-    it computes, so speed comes from many small programs running side by side. A tile takes all of
-    K (up to 128), so the output needs no sum over K tiles, and V is cut into narrow tiles: 16
-    columns next to K = 128, 8 next to smaller K. Measured on an H100 (bf16, B=4, T=4096, H=16,
-    K=V=128): 1.9 ms forward, 12 ms forward + backward. Wider V tiles, more or fewer warps, and
-    cutting K instead in the backward all measured slower.
+    Every kernel works on ``[block_k, block_v]`` tiles of the fp32 state (powers of two).
+    ``None`` fields are chosen from K and V (:meth:`blocks`); ``RecurrentConfig()`` (or
+    ``config=None``) is the shipped default. There are no pipeline stages to set: the walks
+    prefetch one token ahead by hand (a loop whose trip count is the sequence's length, carrying
+    the state, is not one Triton's pipeliner helps).
     """
-    block_k = min(triton.next_power_of_2(max(key_dim, 1)), 128)
-    block_v = min(triton.next_power_of_2(max(value_dim, 1)), 16 if block_k >= 128 else 8)
-    num_warps = 4 if block_k * block_v >= 2048 else (2 if block_k * block_v >= 512 else 1)
-    return block_k, block_v, num_warps
+
+    fwd_block_k: int | None = None
+    fwd_block_v: int | None = None
+    fwd_num_warps: int | None = None
+    bwd_block_k: int | None = None
+    bwd_block_v: int | None = None
+    bwd_num_warps: int | None = None
+
+    def __post_init__(self):
+        freeze_fields(self, validated_fields(self, powers_of_two=tuple(f.name for f in dataclasses.fields(self))))
+
+    def blocks(self, direction: str, key_dim: int, value_dim: int) -> tuple[int, int, int]:
+        """``(BK, BV, num_warps)`` of ``direction`` (``"fwd"`` or ``"bwd"``).
+
+        The defaults: a step of a walk costs about one memory latency (partly hidden by the
+        prefetch) however little it computes, so speed comes from many small programs running
+        side by side. A tile takes all of K (up to 128), so the output needs no sum over K
+        tiles, and V is cut into narrow tiles: 16 columns next to K = 128, 8 next to smaller K.
+        Measured on an H100 (bf16, B=4, T=4096, H=16, K=V=128): 1.9 ms forward, 12 ms forward +
+        backward. Wider V tiles, more or fewer warps, and cutting K instead in the backward all
+        measured slower. Both directions default to the same tiles.
+        """
+        block_k = getattr(self, f"{direction}_block_k") or min(next_power_of_2(max(key_dim, 1)), 128)
+        block_v = getattr(self, f"{direction}_block_v") or min(next_power_of_2(max(value_dim, 1)),
+                                                               16 if block_k >= 128 else 8)
+        num_warps = getattr(self, f"{direction}_num_warps") or (
+            4 if block_k * block_v >= 2048 else (2 if block_k * block_v >= 512 else 1))
+        return block_k, block_v, num_warps
 
 
 def _flags(g, g_gamma, gk, gv, initial_state, reverse, cu_seqlens) -> dict[str, bool]:
+    """The kernels' flags: which optional inputs there are, the direction, packing."""
     return dict(
-        HAS_K_DECAY=g is not None or g_gamma is not None or gk is not None,
-        HAS_G=g is not None, HAS_G_GAMMA=g_gamma is not None, HAS_GK=gk is not None,
-        HAS_GV=gv is not None, HAS_H0=initial_state is not None,
-        REVERSE=bool(reverse), VARLEN=cu_seqlens is not None,
+        USE_G=g is not None, USE_G_GAMMA=g_gamma is not None, USE_GK=gk is not None,
+        USE_GV=gv is not None, USE_INITIAL_STATE=initial_state is not None,
+        REVERSE=bool(reverse), IS_VARLEN=cu_seqlens is not None,
     )
+
+
+def _gated(flags: dict[str, bool]) -> tuple[bool, bool]:
+    """Whether the state decays along K (g, g_gamma or gk) and along V (gv)."""
+    return flags["USE_G"] or flags["USE_G_GAMMA"] or flags["USE_GK"], flags["USE_GV"]
 
 
 def _or_stand_in(x: Array | None, dtype=jnp.float32) -> Array:
@@ -586,7 +637,7 @@ def _check_grid(programs: int) -> None:
                          f"CUDA's limit of {_MAX_GRID_Z}")
 
 
-def _forward_launch(scale, reverse, blocks, query, key, value, g, g_gamma, gk, gv, initial_state,
+def _forward_launch(scale, reverse, config, query, key, value, g, g_gamma, gk, gv, initial_state,
                     cu_seqlens):
     """The forward kernel: ``o`` as partials over K tiles ``[NK, B * T, H, V]``, and the final
     state ``[N, H, K, V]`` (with packing, N = B * sequences per row)."""
@@ -594,7 +645,7 @@ def _forward_launch(scale, reverse, blocks, query, key, value, g, g_gamma, gk, g
     num_kv_heads, value_dim = value.shape[2], value.shape[3]
     num_seqs, per_row, total_tokens = _launch_sizes(query, cu_seqlens)
     _check_grid(num_seqs * num_heads)
-    block_k, block_v, num_warps = blocks
+    block_k, block_v, num_warps = config.blocks("fwd", key_dim, value_dim)
     num_k_tiles, num_v_tiles = cdiv(key_dim, block_k), cdiv(value_dim, block_v)
     f32 = jnp.float32
     return triton_call(
@@ -611,7 +662,7 @@ def _forward_launch(scale, reverse, blocks, query, key, value, g, g_gamma, gk, g
     )
 
 
-def _forward(scale, reverse, blocks,
+def _fwd(scale, reverse, config,
              query, key, value, g, g_gamma, gk, gv, initial_state, cu_seqlens):
     batch, seq_len, num_heads, key_dim = query.shape
     num_kv_heads, value_dim = value.shape[2], value.shape[3]
@@ -624,7 +675,7 @@ def _forward(scale, reverse, blocks,
         h0 = jnp.zeros((num_seqs, num_heads, key_dim, value_dim), f32) if initial_state is None else initial_state
         return o, h0.astype(f32)
 
-    launch = vmap_by_folding(functools.partial(_forward_launch, scale, reverse, blocks),
+    launch = vmap_by_folding(functools.partial(_forward_launch, scale, reverse, config),
                              in_axes=_IN_AXES, out_axes=(1, 0), prepare=_gamma_into_g)
     o_parts, final_state = launch(query, key, value, g, g_gamma, gk, gv, initial_state, cu_seqlens)
     o = o_parts.sum(0, dtype=f32) if o_parts.shape[0] > 1 else o_parts[0]
@@ -634,19 +685,19 @@ def _forward(scale, reverse, blocks,
     return o.astype(query.dtype).reshape(batch, seq_len, num_heads, value_dim), final_state
 
 
-def _backward_launch(scale, reverse, blocks, query, key, value, g, g_gamma, gk, gv, initial_state,
+def _backward_launch(scale, reverse, config, query, key, value, g, g_gamma, gk, gv, initial_state,
                      cu_seqlens, d_o, d_final_state):
-    """The backward kernel's ten outputs, fp32 partials over state tiles (see ``_backward``)."""
+    """The backward kernel's ten outputs, fp32 partials over state tiles (see ``_bwd``)."""
     _, seq_len, num_heads, key_dim = query.shape
     num_kv_heads, value_dim = value.shape[2], value.shape[3]
     num_seqs, per_row, total_tokens = _launch_sizes(query, cu_seqlens)
     _check_grid(2 * num_seqs * num_heads)
     f32 = jnp.float32
     flags = _flags(g, g_gamma, gk, gv, initial_state, reverse, cu_seqlens)
-    gated_k, gated_v = flags["HAS_K_DECAY"], flags["HAS_GV"]
+    gated_k, gated_v = _gated(flags)
     has_dht = d_final_state is not None
     last_needed = has_dht and (gated_k or gated_v)
-    block_k, block_v, num_warps = blocks
+    block_k, block_v, num_warps = config.blocks("bwd", key_dim, value_dim)
     num_k_tiles, num_v_tiles = cdiv(key_dim, block_k), cdiv(value_dim, block_v)
 
     def partials(num_tiles, rows, size, needed=True):  # fp32 per-tile partial sums (or a stand-in)
@@ -670,11 +721,11 @@ def _backward_launch(scale, reverse, blocks, query, key, value, g, g_gamma, gk, 
                                         if initial_state is not None else (1,), f32)],
         grid=(num_v_tiles, num_k_tiles, 2 * num_seqs * num_heads), num_warps=num_warps,
         H=num_heads, H_KV=num_kv_heads, K=key_dim, V=value_dim, SCALE=float(scale),
-        BK=block_k, BV=block_v, HAS_DHT=has_dht, **flags,
+        BK=block_k, BV=block_v, USE_DHT=has_dht, **flags,
     )
 
 
-def _backward(scale, reverse, blocks, residuals, cotangents):
+def _bwd(scale, reverse, config, residuals, cotangents):
     query, key, value, g, g_gamma, gk, gv, initial_state, cu_seqlens = residuals
     d_o, d_final_state = cotangents
     if isinstance(d_o, jax.custom_derivatives.SymbolicZero):  # only final_state was used
@@ -688,7 +739,7 @@ def _backward(scale, reverse, blocks, residuals, cotangents):
     state_shape = (num_seqs, num_heads, key_dim, value_dim)
     f32 = jnp.float32
     flags = _flags(g, g_gamma, gk, gv, initial_state, reverse, cu_seqlens)
-    gated_k, gated_v = flags["HAS_K_DECAY"], flags["HAS_GV"]
+    gated_k, gated_v = _gated(flags)
 
     if num_seqs * num_heads * key_dim * value_dim == 0 or total_tokens == 0:
         # Nothing was walked: the state passed straight through, and nothing reached o.
@@ -702,7 +753,7 @@ def _backward(scale, reverse, blocks, residuals, cotangents):
                     1 if last_needed and gated_k else None, 1 if last_needed and gated_v else None,
                     1, 1, 1 if gated_k else None, 1 if gated_v else None,
                     0 if initial_state is not None else None)
-        launch = vmap_by_folding(functools.partial(_backward_launch, scale, reverse, blocks),
+        launch = vmap_by_folding(functools.partial(_backward_launch, scale, reverse, config),
                                  in_axes=_IN_AXES, out_axes=out_axes, prepare=_gamma_into_g)
         (dq_parts, q_dq_parts, o_do_parts, last_k, last_v, dk_parts, dv_parts, k_dh_v_parts, v_dh_k_parts,
          dh0) = launch(query, key, value, g, g_gamma, gk, gv, initial_state, cu_seqlens, d_o,
@@ -753,31 +804,35 @@ def _backward(scale, reverse, blocks, residuals, cotangents):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _recurrent(scale, reverse, blocks, query, key, value, g, g_gamma, gk, gv, initial_state, cu_seqlens):
-    return _forward(scale, reverse, blocks, query, key, value, g, g_gamma, gk, gv, initial_state, cu_seqlens)
+def _recurrent_triton(scale, reverse, config, query, key, value, g, g_gamma, gk, gv, initial_state,
+                      cu_seqlens):
+    return _fwd(scale, reverse, config, query, key, value, g, g_gamma, gk, gv, initial_state, cu_seqlens)
 
 
-def _recurrent_fwd(scale, reverse, blocks, *primals):
+def _vjp_fwd(scale, reverse, config, *primals):
     # With symbolic_zeros=True each array argument arrives as a CustomVJPPrimal (value, perturbed).
     primals = [None if p is None else p.value for p in primals]
-    o, final_state = _forward(scale, reverse, blocks, *primals)
+    o, final_state = _fwd(scale, reverse, config, *primals)
     return (o, final_state), tuple(primals)
 
 
 # symbolic_zeros: when the caller ignores final_state, its cotangent arrives as a SymbolicZero and
 # the reverse sweep skips it instead of reading a tensor of zeros.
-_recurrent.defvjp(_recurrent_fwd, _backward, symbolic_zeros=True)
+_recurrent_triton.defvjp(_vjp_fwd, _bwd, symbolic_zeros=True)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _recurrent_jit(scale, reverse, blocks, query, key, value, g, g_gamma, gk, gv, initial_state,
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _recurrent_jit(impl, scale, reverse, config, query, key, value, g, g_gamma, gk, gv, initial_state,
                    cu_seqlens):
     if cu_seqlens is not None:
-        # Traced values were not checked: the kernels get the nearest valid packing, so that none
-        # of them can be sent outside its arrays. (cu_seqlens gets no gradient.)
+        # Traced values were not checked: both implementations get the nearest valid packing, so
+        # that no kernel can be sent outside its arrays (and the two agree even on garbage).
+        # (cu_seqlens gets no gradient.)
         cu_seqlens = sanitize_cu_seqlens(cu_seqlens, query.shape[1])
-    return _recurrent(scale, reverse, blocks, query, key, value, g, g_gamma, gk, gv, initial_state,
-                      cu_seqlens)
+    if impl == "xla":
+        return reference(query, key, value, g, g_gamma, gk, gv, scale, initial_state, reverse, cu_seqlens)
+    return _recurrent_triton(scale, reverse, config, query, key, value, g, g_gamma, gk, gv,
+                             initial_state, cu_seqlens)
 
 
 def recurrent(
@@ -792,8 +847,11 @@ def recurrent(
     initial_state: Array | None = None,
     reverse: bool = False,
     cu_seqlens: Array | None = None,
+    *,
+    impl: str = "auto",
+    config: RecurrentConfig | None = None,
 ) -> tuple[Array, Array]:
-    """Recurrent linear attention with Triton kernels, differentiable in every array argument.
+    """Recurrent linear attention, differentiable in every array argument.
 
     Args:
         query: ``[B, T, H, K]``.
@@ -811,10 +869,14 @@ def recurrent(
             ``cu_seqlens[-1]`` belong to no sequence; their output is zero. Checked when
             concrete; traced under ``jax.jit``, invalid values are replaced by the nearest valid
             packing (:func:`ejk_lite.packing.sanitize_cu_seqlens`): wrong numbers, never a crash.
+        impl: ``"triton"`` (the kernels; float16, bfloat16 or float32), ``"xla"`` (:func:`reference`,
+            a ``lax.scan``; any floating dtype) or ``"auto"`` (Triton on a GPU, else XLA).
+        config: a :class:`RecurrentConfig` for the Triton kernels; ``None``: the defaults.
 
     Returns:
         ``(o, final_state)``: ``o`` ``[B, T, H, V]`` in the query's dtype and ``final_state``
-        ``[N, H, K, V]`` in float32 (N = B without ``cu_seqlens``). Gradients come back in each
+        ``[N, H, K, V]`` in float32 (N = B without ``cu_seqlens``; float64 for float64 inputs
+        with ``impl="xla"``). Gradients come back in each
         input's dtype; ``g_gamma``'s is the sum of what ``g`` would get. An empty state (K = 0 or
         V = 0) is allowed: it holds nothing, so ``o`` and every gradient are zero.
 
@@ -823,8 +885,14 @@ def recurrent(
         inputs would run the recurrence in integer arithmetic), an invalid ``cu_seqlens`` or a
         ``softmax_scale`` that is not a number.
     """
+    impl = resolve_impl(impl)
+    config = RecurrentConfig() if check_config(config, RecurrentConfig) is None else config
     cu_seqlens = _validate(query, key, value, g, g_gamma, gk, gv, initial_state, cu_seqlens)
+    if impl == "triton":
+        for name, x in (("query", query), ("key", key), ("value", value), ("g", g), ("g_gamma", g_gamma),
+                        ("gk", gk), ("gv", gv), ("initial_state", initial_state)):
+            if x is not None:
+                check_triton_dtype(x, name)
     scale = _scale(softmax_scale, query.shape[-1])
-    blocks = _block_sizes(query.shape[-1], value.shape[-1])
-    return _recurrent_jit(scale, bool(reverse), blocks,
+    return _recurrent_jit(impl, scale, bool(reverse), config,
                           query, key, value, g, g_gamma, gk, gv, initial_state, cu_seqlens)

@@ -60,6 +60,9 @@ dtype. A zero-length sequence pools to zeros (its sum, 0, divided by max(n, 1)).
 Every kernel also takes a second grid axis of *rows*, independent copies of the problem sharing
 ``cu_seqlens``: ``jax.vmap`` folds its mapped axis into them, so a batch is one launch.
 
+Tiles (``config=``): a :class:`PoolingConfig`; its ``None`` fields are chosen from the shapes,
+and ``config=None`` takes every default (the settings measured best on an H100).
+
 ``impl="xla"`` computes the same functions with plain ``jnp`` (a mean, or ``jax.ops.segment_sum``
 for packed input) and lets JAX differentiate them; ``reference`` and ``reference_blocks`` are
 deliberately naive loops that tests and the book check both against.
@@ -67,6 +70,7 @@ deliberately naive loops that tests and the book check both against.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from functools import partial
 from typing import Any, NamedTuple
@@ -78,8 +82,18 @@ import triton
 import triton.language as tl
 from jax import Array
 
-from ejk_lite.checks import check_floating, concrete_value, static_int
-from ejk_lite.launch import ON_GPU, triton_call, vmap_by_folding
+from ejk_lite.checks import (
+    check_config,
+    check_floating,
+    check_triton_dtype,
+    concrete_value,
+    freeze_fields,
+    next_power_of_2,
+    resolve_impl,
+    static_int,
+    validated_fields,
+)
+from ejk_lite.launch import triton_call, vmap_by_folding
 from ejk_lite.packing import (
     cdiv,
     checked_cu_seqlens,
@@ -91,7 +105,7 @@ from ejk_lite.packing import (
     sanitize_cu_seqlens,
 )
 
-__all__ = ["mean_pooling", "block_mean_pooling", "reference", "reference_blocks", "Tiling"]
+__all__ = ["mean_pooling", "block_mean_pooling", "reference", "reference_blocks", "PoolingConfig"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -383,23 +397,47 @@ def block_pool_backward_kernel(
 # ----------------------------------------------------------------------------------------------
 
 
-class Tiling(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class PoolingConfig:
     """How the Triton kernels cut the work: a tuning knob that never changes the result.
 
-    ``None`` fields are chosen from the shapes (see ``_plan``).
+    ``fwd_*`` fields set the forward kernels, ``bwd_*`` the backward ones; ``None`` fields are
+    chosen from the shapes (see ``_plan``), and ``PoolingConfig()`` (or ``config=None``) is the
+    shipped default everywhere. Every field is a positive int; a ``ValueError`` names a bad one.
 
-    * ``block_hidden``: features per program, a power of two.
-    * ``tokens_per_program``: tokens per tile of ``mean_pooling``'s forward and backward grids
-      (padded input whose sequences are shorter rounds it down to a multiple of ``seq_len``).
-    * ``num_warps``: warps per program, a power of two.
-    * ``num_stages``: how many ``BLOCK_T``-row tiles a forward program keeps in flight (Triton's
-      software pipelining of the loop's loads through shared memory; 1 turns it off).
+    * ``block_hidden``: features per program (``BLOCK_D``), a power of two, both directions.
+      Default: up to 256 for ``mean_pooling``; 512 for ``block_mean_pooling``'s forward, whose
+      program pools one block, too short a loop to pipeline, so it takes more features instead.
+    * ``fwd_tile_tokens`` / ``bwd_tile_tokens``: tokens per tile of ``mean_pooling``'s forward /
+      backward grid (padded input whose sequences are shorter rounds the forward's down to a
+      multiple of ``seq_len``). Default: the power-of-two multiple of ``BLOCK_T`` that gives
+      about ``fwd_programs`` / ``bwd_programs`` programs.
+    * ``fwd_num_warps`` / ``bwd_num_warps``: warps per program, powers of two.
+    * ``fwd_num_stages``: how many ``BLOCK_T``-row tiles a forward program keeps in flight
+      (Triton's software pipelining of the loop's loads through shared memory; 1 turns it off).
+      Default: 3 for ``mean_pooling``, 1 for ``block_mean_pooling`` (a block is too short a loop).
+      The backward kernels only store: they have no loads to pipeline.
     """
 
     block_hidden: int | None = None
-    tokens_per_program: int | None = None
-    num_warps: int | None = None
-    num_stages: int | None = None
+    fwd_tile_tokens: int | None = None
+    bwd_tile_tokens: int | None = None
+    # How many programs the token tiles aim at (measured on an H100, hidden 4096, bf16). The
+    # forward keeps NUM_STAGES tiles of loads in flight and pays a binary search and a pipeline
+    # fill per program, so it wants a few long programs: about 1024, some 8 per SM. The backward
+    # only stores (no latency to hide) and evens out best over many short ones: about 4096.
+    fwd_programs: int = 1024
+    bwd_programs: int = 4096
+    fwd_num_warps: int = 4
+    bwd_num_warps: int = 4
+    fwd_num_stages: int | None = None
+
+    def __post_init__(self):
+        values = validated_fields(self, powers_of_two=("block_hidden", "fwd_num_warps", "bwd_num_warps"))
+        for name in ("fwd_programs", "bwd_programs", "fwd_num_warps", "bwd_num_warps"):
+            if values[name] is None:
+                raise ValueError(f"PoolingConfig.{name} must be a positive int, got None")
+        freeze_fields(self, values)
 
 
 class _Plan(NamedTuple):
@@ -410,16 +448,11 @@ class _Plan(NamedTuple):
     grad_tile_tokens: int  # TILE_TOKENS of the backward's token tiles
     has_pieces: bool       # whether a sequence can cross a forward tile edge (else: no pieces kernel)
     search_steps: int      # num_seqs.bit_length()
-    num_warps: int
+    num_warps: int         # the forward's
     num_stages: int        # NUM_STAGES, tiles of loads in flight in the forward's loop
+    bwd_num_warps: int
 
 
-# How many programs the token tiles aim at (measured on an H100, hidden 4096, bf16). The forward
-# keeps NUM_STAGES tiles of loads in flight and pays a binary search and a pipeline fill per
-# program, so it wants a few long programs: about 1024, some 8 per SM. The backward only stores
-# (no latency to hide) and evens out best over many short ones: about 4096.
-_FORWARD_PROGRAMS = 1024
-_BACKWARD_PROGRAMS = 4096
 _FORWARD_STAGES = 3
 _MAX_TILE_TOKENS = 8192
 _MAX_TILE_ELEMENTS = 8192  # BLOCK_T * BLOCK_D: 64 float32 accumulators per thread at 4 warps
@@ -430,10 +463,6 @@ _BLOCK_POOL_HIDDEN = 512
 _MAX_GRID_Y = 65535  # CUDA's limit on the 2nd grid dimension: the rows
 
 
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
 def _token_tile(num_tokens: int, feature_tiles: int, block_tokens: int, programs: int) -> int:
     """A power-of-two multiple of ``block_tokens`` giving about ``programs`` programs in all."""
     wanted = num_tokens * feature_tiles // (programs * block_tokens)
@@ -441,26 +470,26 @@ def _token_tile(num_tokens: int, feature_tiles: int, block_tokens: int, programs
 
 
 def _plan(chunk_size: int, num_tokens: int, num_features: int, num_seqs: int, seq_len: int | None,
-          tiling: Tiling | None) -> _Plan:
+          config: PoolingConfig | None) -> _Plan:
     """Tiles and grid sizes; ``seq_len`` is the length of every sequence of padded input, else None."""
-    tiling = Tiling() if tiling is None else tiling
-    block_tokens = min(_next_power_of_2(chunk_size), _MAX_TILE_ELEMENTS // 16)
-    block_hidden = tiling.block_hidden
+    config = PoolingConfig() if config is None else config
+    block_tokens = min(next_power_of_2(chunk_size), _MAX_TILE_ELEMENTS // 16)
+    block_hidden = config.block_hidden
     if block_hidden is None:
-        block_hidden = min(256, max(16, _next_power_of_2(num_features)), max(16, _MAX_TILE_ELEMENTS // block_tokens))
+        block_hidden = min(256, max(16, next_power_of_2(num_features)), max(16, _MAX_TILE_ELEMENTS // block_tokens))
     feature_tiles = cdiv(num_features, block_hidden)
-    tile_tokens = tiling.tokens_per_program or _token_tile(num_tokens, feature_tiles, block_tokens, _FORWARD_PROGRAMS)
-    grad_tile_tokens = tiling.tokens_per_program or _token_tile(num_tokens, feature_tiles, block_tokens,
-                                                                _BACKWARD_PROGRAMS)
+    tile_tokens = config.fwd_tile_tokens or _token_tile(num_tokens, feature_tiles, block_tokens,
+                                                        config.fwd_programs)
+    grad_tile_tokens = config.bwd_tile_tokens or _token_tile(num_tokens, feature_tiles, block_tokens,
+                                                             config.bwd_programs)
     has_pieces = True
     if seq_len is not None and seq_len <= tile_tokens:
         # Padded input of short sequences: tiles of whole sequences, and no pieces to add up.
         tile_tokens = max(1, seq_len) * max(1, tile_tokens // max(1, seq_len))
         has_pieces = False
-    num_warps = tiling.num_warps or 4
-    num_stages = tiling.num_stages or _FORWARD_STAGES
+    num_stages = config.fwd_num_stages or _FORWARD_STAGES
     return _Plan(num_tokens, block_tokens, block_hidden, tile_tokens, grad_tile_tokens, has_pieces,
-                 num_seqs.bit_length(), num_warps, num_stages)
+                 num_seqs.bit_length(), config.fwd_num_warps, num_stages, config.bwd_num_warps)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -514,7 +543,7 @@ def _mean_pool_backward_rows(dout: Array, cu_seqlens: Array, plan: _Plan) -> Arr
         out_shape=jax.ShapeDtypeStruct((rows, plan.num_tokens, num_features), dout.dtype),
         grid=(cdiv(plan.num_tokens, plan.grad_tile_tokens) * cdiv(num_features, plan.block_hidden),
               rows),
-        num_warps=plan.num_warps, NUM_FEATURES=num_features, TILE_TOKENS=plan.grad_tile_tokens,
+        num_warps=plan.bwd_num_warps, NUM_FEATURES=num_features, TILE_TOKENS=plan.grad_tile_tokens,
         SEARCH_STEPS=plan.search_steps, BLOCK_T=plan.block_tokens, BLOCK_D=plan.block_hidden,
     )
 
@@ -530,16 +559,16 @@ def _mean_pool_triton(x3d: Array, cu_seqlens: Array, plan: _Plan) -> Array:
     return _folding(_mean_pool_forward_rows, plan)(x3d, cu_seqlens)
 
 
-def _mean_pool_triton_forward(x3d, cu_seqlens, plan):
+def _mean_fwd(x3d, cu_seqlens, plan):
     # The backward needs only where the sequences are (dout has x's dtype, plan its length).
     return _mean_pool_triton(x3d, cu_seqlens, plan), cu_seqlens
 
 
-def _mean_pool_triton_backward(plan, cu_seqlens, dout):
+def _mean_bwd(plan, cu_seqlens, dout):
     return _folding(_mean_pool_backward_rows, plan)(dout, cu_seqlens), None
 
 
-_mean_pool_triton.defvjp(_mean_pool_triton_forward, _mean_pool_triton_backward)
+_mean_pool_triton.defvjp(_mean_fwd, _mean_bwd)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -584,7 +613,7 @@ def _block_pool_backward_rows(dout: Array, cu_seqlens: Array, block_index: Array
         out_shape=jax.ShapeDtypeStruct((rows, num_tokens, num_features), dout.dtype),
         grid=((num_blocks + plan.tail_programs) * cdiv(num_features, plan.tiles.block_hidden),
               rows),
-        num_warps=plan.tiles.num_warps, NUM_FEATURES=num_features,
+        num_warps=plan.tiles.bwd_num_warps, NUM_FEATURES=num_features,
         TAIL_TOKENS=plan.tail_tokens, BLOCK_T=plan.tiles.block_tokens, BLOCK_D=plan.tiles.block_hidden,
     )
 
@@ -600,161 +629,17 @@ def _block_pool_triton(x3d: Array, cu_seqlens: Array, block_index: Array,
     return _block_folding(_block_pool_forward_rows, plan)(x3d, cu_seqlens, block_index)
 
 
-def _block_pool_triton_forward(x3d, cu_seqlens, block_index, plan):
+def _block_fwd(x3d, cu_seqlens, block_index, plan):
     return _block_pool_triton(x3d, cu_seqlens, block_index, plan), (cu_seqlens, block_index)
 
 
-def _block_pool_triton_backward(plan, residuals, dout):
+def _block_bwd(plan, residuals, dout):
     cu_seqlens, block_index = residuals
     dx = _block_folding(_block_pool_backward_rows, plan)(dout, cu_seqlens, block_index)
     return dx, None, None
 
 
-_block_pool_triton.defvjp(_block_pool_triton_forward, _block_pool_triton_backward)
-
-
-# ----------------------------------------------------------------------------------------------
-# The public functions.
-# ----------------------------------------------------------------------------------------------
-
-
-def mean_pooling(
-    x: Array,
-    chunk_size: int = 32,
-    cu_seqlens: Array | None = None,
-    *,
-    impl: str = "auto",
-    tiling: Tiling | None = None,
-) -> Array:
-    """Mean of each sequence's token vectors.
-
-    Args:
-      x: padded ``(batch, seq_len, *rest)``, pooled over axis 1 into ``(batch, *rest)``; or, with
-        ``cu_seqlens``, packed ``(total_tokens, *rest)``, pooled into ``(num_seqs, *rest)``.
-        ``rest`` is any number of feature axes (``hidden``, or ``heads, head_dim``). A packed ``x``
-        has no batch axis: one of more than two axes whose first has size 1 is taken to be the
-        ``(1, total_tokens, ...)`` layout of other libraries and rejected.
-      chunk_size: tokens a program adds per step (rounded up to a power of two, at most 512). A
-        tuning knob: the result does not depend on it beyond float32 rounding.
-      cu_seqlens: ``[0, len_0, len_0 + len_1, ...]`` (int), sequence ``i`` being the tokens
-        ``cu_seqlens[i]:cu_seqlens[i + 1]``. Tokens at or past ``cu_seqlens[-1]`` belong to no
-        sequence: ignored, with zero gradient. Its values are checked when they are concrete;
-        under ``jax.jit`` they cannot be, and invalid ones are replaced by the nearest valid
-        packing (:func:`ejk_lite.packing.sanitize_cu_seqlens`): wrong numbers, never a crash.
-      impl: ``"triton"``, ``"xla"`` (plain ``jnp``) or ``"auto"`` (Triton on a GPU, else XLA).
-      tiling: optional :class:`Tiling` for the Triton kernels (benchmarks sweep it).
-
-    Returns:
-      The means, in ``x``'s dtype (accumulated in float32). A zero-length sequence gives zeros,
-      not NaN. Differentiable in ``x`` (``jax.grad``, ``jax.jit``, ``jax.value_and_grad``); the
-      gradient has ``x``'s shape and dtype.
-
-    Raises:
-      ValueError: naming the argument, for a wrong rank, a non-float ``x``, an invalid
-        ``cu_seqlens`` (see :func:`ejk_lite.validate_cu_seqlens`) or a non-positive ``chunk_size``.
-    """
-    impl = _resolve_impl(impl, x)
-    x = jnp.asarray(x)
-    chunk_size = static_int(chunk_size, "chunk_size", minimum=1)
-    tiling = _check_tiling(tiling)
-    x2d, cu, rest, padded = _as_packed(x, cu_seqlens, "mean_pooling")
-    num_tokens, num_features = x2d.shape
-    num_seqs = cu.shape[0] - 1
-    out_shape = (num_seqs, *rest)
-    if num_seqs == 0 or num_tokens == 0 or num_features == 0:
-        return jnp.zeros(out_shape, x.dtype)
-    if impl == "xla":
-        return _mean_pooling_xla(x, x2d, cu, padded).reshape(out_shape)
-    plan = _plan(chunk_size, num_tokens, num_features, num_seqs, x.shape[1] if padded else None, tiling)
-    out = _mean_pool_triton(x2d[None], sanitize_cu_seqlens(cu, num_tokens), plan)
-    return out.reshape(out_shape)
-
-
-def block_mean_pooling(
-    x: Array,
-    block_size: int,
-    cu_seqlens: Array | None = None,
-    chunk_size: int = 32,
-    *,
-    total_blocks: int | None = None,
-    impl: str = "auto",
-    tiling: Tiling | None = None,
-) -> Array:
-    """One mean per block of ``block_size`` consecutive tokens within each sequence.
-
-    A sequence of ``n`` tokens has ``ceil(n / block_size)`` blocks; the last may be shorter and is
-    divided by its own length. Blocks never straddle two sequences.
-
-    Args:
-      x: padded ``(batch, seq_len, *rest)`` gives ``(batch, ceil(seq_len / block_size), *rest)``;
-        packed ``(total_tokens, *rest)`` with ``cu_seqlens`` gives ``(total_blocks, *rest)``, the
-        blocks listed sequence by sequence, in order within each sequence (the order of
-        :func:`ejk_lite.prepare_chunk_indices` with ``chunk_size=block_size``; a zero-length
-        sequence has no block).
-      block_size: tokens per block, a positive int.
-      cu_seqlens: as for :func:`mean_pooling`.
-      chunk_size: tokens a program adds per step (rounded up to a power of two and capped at
-        ``block_size`` rounded up likewise); a tuning knob.
-      total_blocks: the number of output rows for packed input. Needed when ``cu_seqlens`` is
-        traced (under ``jax.jit`` its values, and so the number of blocks, are unknown): pass it
-        as a static int. It may exceed the true count; the extra rows are zeros. When
-        ``cu_seqlens`` is concrete, a value below the true count is an error.
-      impl: ``"triton"``, ``"xla"`` or ``"auto"``, as for :func:`mean_pooling`.
-      tiling: optional :class:`Tiling` (``tokens_per_program`` is not used here: a program
-        pools one block).
-
-    Returns:
-      The block means in ``x``'s dtype (float32 accumulation); differentiable in ``x``. Tokens in
-      no block (past ``cu_seqlens[-1]``) get zero gradient.
-    """
-    impl = _resolve_impl(impl, x)
-    x = jnp.asarray(x)
-    block_size = static_int(block_size, "block_size", minimum=1)
-    chunk_size = static_int(chunk_size, "chunk_size", minimum=1)
-    if total_blocks is not None:
-        total_blocks = static_int(total_blocks, "total_blocks")
-    tiling = _check_tiling(tiling)
-    x2d, cu, rest, padded = _as_packed(x, cu_seqlens, "block_mean_pooling")
-    num_tokens, num_features = x2d.shape
-    num_seqs = cu.shape[0] - 1
-
-    if padded:
-        batch, seq_len = x.shape[:2]
-        blocks_per_seq = cdiv(seq_len, block_size)
-        if total_blocks is not None and total_blocks != batch * blocks_per_seq:
-            raise ValueError(f"total_blocks={total_blocks} does not match the {batch * blocks_per_seq} blocks "
-                             f"of a padded x of shape {x.shape}; leave it out for padded input")
-        total_blocks = batch * blocks_per_seq
-        out_shape = (batch, blocks_per_seq, *rest)
-    else:
-        total_blocks = _count_blocks(cu, block_size, total_blocks)
-        out_shape = (total_blocks, *rest)
-    if total_blocks == 0 or num_tokens == 0 or num_features == 0:
-        return jnp.zeros(out_shape, x.dtype)
-    if impl == "xla":
-        return _block_mean_pooling_xla(x, x2d, cu, block_size, total_blocks, padded).reshape(out_shape)
-
-    # The block list: concrete (a constant) whenever cu_seqlens is. Both come from the sanitized
-    # offsets (unchanged if valid), so the kernels never see an invalid packing.
-    with jax.ensure_compile_time_eval():
-        cu = sanitize_cu_seqlens(cu, num_tokens)
-        block_index = prepare_chunk_indices(cu, block_size, total_chunks=total_blocks)
-
-    tiles = _plan(min(chunk_size, block_size), num_tokens, num_features, num_seqs, None, tiling)
-    tail_tokens = tiles.block_tokens * 64
-    cu_values = concrete_value(cu)
-    if padded:
-        tail_programs = 0
-    elif cu_values is not None:
-        # Exact: every real block is listed (checked above), so the blocks end at cu_seqlens[-1].
-        tail_programs = cdiv(num_tokens - int(cu_values[-1]), tail_tokens)
-    else:
-        tail_programs = cdiv(num_tokens, tail_tokens)
-    block_hidden = (tiling.block_hidden if tiling is not None and tiling.block_hidden
-                    else min(_BLOCK_POOL_HIDDEN, max(16, _next_power_of_2(num_features))))
-    num_stages = tiling.num_stages if tiling is not None and tiling.num_stages else 1
-    plan = _BlockPlan(block_size, block_hidden, num_stages, tail_programs, tail_tokens, tiles)
-    return _block_pool_triton(x2d[None], cu, block_index, plan).reshape(out_shape)
+_block_pool_triton.defvjp(_block_fwd, _block_bwd)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -835,14 +720,10 @@ def reference_blocks(x: Array, block_size: int, cu_seqlens: Any = None) -> Array
 
 
 def _resolve_impl(impl: str, x: Any) -> str:
-    if impl not in ("auto", "xla", "triton"):
-        raise ValueError(f"impl must be 'auto', 'xla' or 'triton', got {impl!r}")
-    if impl == "auto":
-        impl = "triton" if ON_GPU else "xla"
+    impl = resolve_impl(impl)
     check_floating(x, "x")
-    dtype = x.dtype
-    if impl == "triton" and jnp.dtype(dtype) not in (jnp.float16, jnp.bfloat16, jnp.float32):
-        raise ValueError(f"impl='triton' takes float16, bfloat16 or float32 x, got {dtype}; use impl='xla'")
+    if impl == "triton":
+        check_triton_dtype(x, "x")
     return impl
 
 
@@ -882,17 +763,145 @@ def _count_blocks(cu: Any, block_size: int, total_blocks: int | None) -> int:
     return total_blocks
 
 
-def _check_tiling(tiling: Any) -> Tiling | None:
-    """``tiling`` with every field a Python int (or None), or a ValueError naming the field."""
-    if tiling is None:
-        return None
-    if not isinstance(tiling, Tiling):
-        raise ValueError(f"tiling must be a Tiling or None, got {tiling!r}")
-    fields = {}
-    for name, value in tiling._asdict().items():
-        if value is not None:
-            value = static_int(value, f"tiling.{name}", minimum=1)
-            if name in ("block_hidden", "num_warps") and value & (value - 1):
-                raise ValueError(f"tiling.{name} must be a power of two, got {value!r}")
-        fields[name] = value
-    return Tiling(**fields)
+# ----------------------------------------------------------------------------------------------
+# The public functions.
+# ----------------------------------------------------------------------------------------------
+
+
+def mean_pooling(
+    x: Array,
+    chunk_size: int = 32,
+    cu_seqlens: Array | None = None,
+    *,
+    impl: str = "auto",
+    config: PoolingConfig | None = None,
+) -> Array:
+    """Mean of each sequence's token vectors.
+
+    Args:
+      x: padded ``(batch, seq_len, *rest)``, pooled over axis 1 into ``(batch, *rest)``; or, with
+        ``cu_seqlens``, packed ``(total_tokens, *rest)``, pooled into ``(num_seqs, *rest)``.
+        ``rest`` is any number of feature axes (``hidden``, or ``heads, head_dim``). A packed ``x``
+        has no batch axis: one of more than two axes whose first has size 1 is taken to be the
+        ``(1, total_tokens, ...)`` layout of other libraries and rejected.
+      chunk_size: tokens a program adds per step (rounded up to a power of two, at most 512). A
+        tuning knob: the result does not depend on it beyond float32 rounding.
+      cu_seqlens: ``[0, len_0, len_0 + len_1, ...]`` (int), sequence ``i`` being the tokens
+        ``cu_seqlens[i]:cu_seqlens[i + 1]``. Tokens at or past ``cu_seqlens[-1]`` belong to no
+        sequence: ignored, with zero gradient. Its values are checked when they are concrete;
+        under ``jax.jit`` they cannot be, and invalid ones are replaced by the nearest valid
+        packing (:func:`ejk_lite.packing.sanitize_cu_seqlens`): wrong numbers, never a crash.
+      impl: ``"triton"``, ``"xla"`` (plain ``jnp``) or ``"auto"`` (Triton on a GPU, else XLA).
+      config: optional :class:`PoolingConfig` for the Triton kernels (benchmarks sweep it).
+
+    Returns:
+      The means, in ``x``'s dtype (accumulated in float32). A zero-length sequence gives zeros,
+      not NaN. Differentiable in ``x`` (``jax.grad``, ``jax.jit``, ``jax.value_and_grad``); the
+      gradient has ``x``'s shape and dtype.
+
+    Raises:
+      ValueError: naming the argument, for a wrong rank, a non-float ``x``, an invalid
+        ``cu_seqlens`` (see :func:`ejk_lite.validate_cu_seqlens`) or a non-positive ``chunk_size``.
+    """
+    impl = _resolve_impl(impl, x)
+    x = jnp.asarray(x)
+    chunk_size = static_int(chunk_size, "chunk_size", minimum=1)
+    config = check_config(config, PoolingConfig)
+    x2d, cu, rest, padded = _as_packed(x, cu_seqlens, "mean_pooling")
+    num_tokens, num_features = x2d.shape
+    num_seqs = cu.shape[0] - 1
+    out_shape = (num_seqs, *rest)
+    if num_seqs == 0 or num_tokens == 0 or num_features == 0:
+        return jnp.zeros(out_shape, x.dtype)
+    if impl == "xla":
+        return _mean_pooling_xla(x, x2d, cu, padded).reshape(out_shape)
+    plan = _plan(chunk_size, num_tokens, num_features, num_seqs, x.shape[1] if padded else None, config)
+    out = _mean_pool_triton(x2d[None], sanitize_cu_seqlens(cu, num_tokens), plan)
+    return out.reshape(out_shape)
+
+
+def block_mean_pooling(
+    x: Array,
+    block_size: int,
+    cu_seqlens: Array | None = None,
+    chunk_size: int = 32,
+    *,
+    total_blocks: int | None = None,
+    impl: str = "auto",
+    config: PoolingConfig | None = None,
+) -> Array:
+    """One mean per block of ``block_size`` consecutive tokens within each sequence.
+
+    A sequence of ``n`` tokens has ``ceil(n / block_size)`` blocks; the last may be shorter and is
+    divided by its own length. Blocks never straddle two sequences.
+
+    Args:
+      x: padded ``(batch, seq_len, *rest)`` gives ``(batch, ceil(seq_len / block_size), *rest)``;
+        packed ``(total_tokens, *rest)`` with ``cu_seqlens`` gives ``(total_blocks, *rest)``, the
+        blocks listed sequence by sequence, in order within each sequence (the order of
+        :func:`ejk_lite.prepare_chunk_indices` with ``chunk_size=block_size``; a zero-length
+        sequence has no block).
+      block_size: tokens per block, a positive int.
+      cu_seqlens: as for :func:`mean_pooling`.
+      chunk_size: tokens a program adds per step (rounded up to a power of two and capped at
+        ``block_size`` rounded up likewise); a tuning knob.
+      total_blocks: the number of output rows for packed input. Needed when ``cu_seqlens`` is
+        traced (under ``jax.jit`` its values, and so the number of blocks, are unknown): pass it
+        as a static int. It may exceed the true count; the extra rows are zeros. When
+        ``cu_seqlens`` is concrete, a value below the true count is an error.
+      impl: ``"triton"``, ``"xla"`` or ``"auto"``, as for :func:`mean_pooling`.
+      config: optional :class:`PoolingConfig` (the token tiles are not used here: a program
+        pools one block).
+
+    Returns:
+      The block means in ``x``'s dtype (float32 accumulation); differentiable in ``x``. Tokens in
+      no block (past ``cu_seqlens[-1]``) get zero gradient.
+    """
+    impl = _resolve_impl(impl, x)
+    x = jnp.asarray(x)
+    block_size = static_int(block_size, "block_size", minimum=1)
+    chunk_size = static_int(chunk_size, "chunk_size", minimum=1)
+    if total_blocks is not None:
+        total_blocks = static_int(total_blocks, "total_blocks")
+    config = check_config(config, PoolingConfig)
+    x2d, cu, rest, padded = _as_packed(x, cu_seqlens, "block_mean_pooling")
+    num_tokens, num_features = x2d.shape
+    num_seqs = cu.shape[0] - 1
+
+    if padded:
+        batch, seq_len = x.shape[:2]
+        blocks_per_seq = cdiv(seq_len, block_size)
+        if total_blocks is not None and total_blocks != batch * blocks_per_seq:
+            raise ValueError(f"total_blocks={total_blocks} does not match the {batch * blocks_per_seq} blocks "
+                             f"of a padded x of shape {x.shape}; leave it out for padded input")
+        total_blocks = batch * blocks_per_seq
+        out_shape = (batch, blocks_per_seq, *rest)
+    else:
+        total_blocks = _count_blocks(cu, block_size, total_blocks)
+        out_shape = (total_blocks, *rest)
+    if total_blocks == 0 or num_tokens == 0 or num_features == 0:
+        return jnp.zeros(out_shape, x.dtype)
+    if impl == "xla":
+        return _block_mean_pooling_xla(x, x2d, cu, block_size, total_blocks, padded).reshape(out_shape)
+
+    # The block list: concrete (a constant) whenever cu_seqlens is. Both come from the sanitized
+    # offsets (unchanged if valid), so the kernels never see an invalid packing.
+    with jax.ensure_compile_time_eval():
+        cu = sanitize_cu_seqlens(cu, num_tokens)
+        block_index = prepare_chunk_indices(cu, block_size, total_chunks=total_blocks)
+
+    tiles = _plan(min(chunk_size, block_size), num_tokens, num_features, num_seqs, None, config)
+    tail_tokens = tiles.block_tokens * 64
+    cu_values = concrete_value(cu)
+    if padded:
+        tail_programs = 0
+    elif cu_values is not None:
+        # Exact: every real block is listed (checked above), so the blocks end at cu_seqlens[-1].
+        tail_programs = cdiv(num_tokens - int(cu_values[-1]), tail_tokens)
+    else:
+        tail_programs = cdiv(num_tokens, tail_tokens)
+    block_hidden = (config.block_hidden if config is not None and config.block_hidden
+                    else min(_BLOCK_POOL_HIDDEN, max(16, next_power_of_2(num_features))))
+    num_stages = config.fwd_num_stages if config is not None and config.fwd_num_stages else 1
+    plan = _BlockPlan(block_size, block_hidden, num_stages, tail_programs, tail_tokens, tiles)
+    return _block_pool_triton(x2d[None], cu, block_index, plan).reshape(out_shape)
