@@ -200,7 +200,15 @@ class _Static:
 
 
 # ----------------------------------------------------------------------------------------------
-# Helpers shared by the kernels: which tokens a program owns, and their cumulative log-decays.
+# Helpers shared by the kernels: which tokens a program owns, and the decays between them.
+#
+# The kernels take the per-token log-decays a (not their cumulative sums) and form every exponent
+# as a *direct* sum of a over exactly the tokens it spans: a prefix sum from the chunk's start, a
+# suffix sum to its end, or the sum between two tokens. With a <= 0 such sums never cancel, so
+# each is accurate to a few float32 roundings of its own size. A difference of two cumulative
+# sums, G_i - G_j, would carry the rounding error of |G| ~ C * |a| (a thousand, for strong
+# decays) into an exponent that may be near 0: measured, that cost two orders of magnitude of
+# accuracy (2e-6 against the 8e-8 of the token-by-token walk) at log-gates of -15 per token.
 # ----------------------------------------------------------------------------------------------
 
 
@@ -246,67 +254,103 @@ def _sequence_of_program(cu_seqlens, chunk_offsets, i_n, T, NT_SLOTS, num_seqs, 
 
 @triton.jit
 def _rows(r, i_c, start, end, row_base, BT: tl.constexpr, REVERSE: tl.constexpr):
-    """Tokens (flat, int64) of walking rows ``r`` of chunk ``i_c``, and which lie in the sequence.
+    """Tokens (flat, int64) of walking rows ``r`` of chunk ``i_c``, and which lie in the chunk.
 
     Chunks are counted from the sequence's start. Forwards, row r is token start + i_c BT + r;
     walking in reverse, the chunk's rows are visited last token first. A short chunk is short at
-    its walking end (forwards) or walking start (reverse)."""
+    its walking end (forwards) or walking start (reverse). Rows outside ``[0, BT)`` are outside."""
     if REVERSE:
         pos = start + (i_c + 1) * BT - 1 - r
     else:
         pos = start + i_c * BT + r
-    valid = (pos >= start) & (pos < end)
+    valid = (pos >= start) & (pos < end) & (r >= 0) & (r < BT)
     return row_base + pos, valid
 
 
 @triton.jit
-def _last_token(i_c, start, end, row_base, BT: tl.constexpr, REVERSE: tl.constexpr):
-    """The token the walk leaves the chunk from (its row holds Gamma), and that row's index."""
+def _last_row(i_c, start, end, BT: tl.constexpr, REVERSE: tl.constexpr):
+    """The walking row the walk leaves the chunk from."""
     if REVERSE:
-        return row_base + start + i_c * BT, BT - 1
-    last = tl.minimum(start + (i_c + 1) * BT, end) - 1
-    return row_base + last, last - start - i_c * BT
+        return BT - 1
+    return tl.minimum(end - start - i_c * BT, BT) - 1
 
 
 @triton.jit
-def _gate_offsets(tok, i_h, offs_k, H: tl.constexpr, K: tl.constexpr, USE_GK: tl.constexpr):
-    """Offsets of G: ``[B*T, H, K]`` for a per-key gate; ``[B*T, H]`` for a scalar one, read as a
-    ``[rows, BK]`` tile whose columns all hold the same number, so that one code path serves both."""
+def _load_gates(a, tok, valid, i_h, offs_k, mask_k, H: tl.constexpr, K: tl.constexpr, USE_GK: tl.constexpr):
+    """Log-decays of rows ``tok`` (fp32), 0 outside the sequence (no decay: the sums below then
+    cover exactly the tokens inside). ``[rows, BK]`` for a per-key gate; ``[rows, 1]`` for a
+    scalar one, which broadcasts against the K axis the same way."""
     if USE_GK:
-        return (tok[:, None] * H + i_h) * K + offs_k[None, :]
-    return tok[:, None] * H + i_h + offs_k[None, :] * 0
+        return tl.load(a + (tok[:, None] * H + i_h) * K + offs_k[None, :],
+                       mask=valid[:, None] & mask_k[None, :], other=0.0)
+    return tl.load(a + (tok[:, None] * H + i_h), mask=valid[:, None], other=0.0)
 
 
 @triton.jit
-def _load_gamma(G, tok_last, i_h, offs_k, mask_k, H: tl.constexpr, K: tl.constexpr, USE_GK: tl.constexpr):
-    """Gamma, the chunk's total log-decay, as a [BK] vector."""
-    if USE_GK:
-        offs = (tok_last * H + i_h) * K + offs_k
+def _chunk_decays(a, r, i_c, start, end, row_base, i_h, offs_k, mask_k, H: tl.constexpr, K: tl.constexpr,
+                  BT: tl.constexpr, USE_GK: tl.constexpr, REVERSE: tl.constexpr):
+    """For the chunk's rows ``r = 0 .. BT - 1``: the log-decay from the chunk's start to each row
+    (inclusive: ``G_i``), from each row to the chunk's end (exclusive: ``Gamma - G_j``), and over the
+    whole chunk (``Gamma``), each a direct sum. The exclusive suffix is the reverse cumulative sum
+    of the rows shifted by one, not ``Gamma - G_j``."""
+    tok, valid = _rows(r, i_c, start, end, row_base, BT, REVERSE)
+    b_a = _load_gates(a, tok, valid, i_h, offs_k, mask_k, H, K, USE_GK)
+    tok1, valid1 = _rows(r + 1, i_c, start, end, row_base, BT, REVERSE)
+    b_a1 = _load_gates(a, tok1, valid1, i_h, offs_k, mask_k, H, K, USE_GK)
+    return tl.cumsum(b_a, axis=0), tl.cumsum(b_a1, axis=0, reverse=True), tl.sum(b_a, axis=0)
+
+
+@triton.jit
+def _span_decay(a, lo, hi, i_c, start, end, row_base, i_h, offs_k, mask_k, H: tl.constexpr, K: tl.constexpr,
+                BT: tl.constexpr, USE_GK: tl.constexpr, REVERSE: tl.constexpr):
+    """The summed log-decay of walking rows ``lo <= r < hi`` of the chunk (the sub-chunks between
+    two others), a ``[BK]`` vector."""
+    r = tl.arange(0, BT)
+    tok, valid = _rows(r, i_c, start, end, row_base, BT, REVERSE)
+    valid = valid & (r >= lo) & (r < hi)
+    return tl.sum(_load_gates(a, tok, valid, i_h, offs_k, mask_k, H, K, USE_GK), axis=0)
+
+
+@triton.jit
+def _sub_chunk_decays(a, i_cj, i_c, start, end, row_base, i_h, offs_k, mask_k, H: tl.constexpr,
+                      K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, REVERSE: tl.constexpr):
+    """Rows of sub-chunk J: tokens, validity, log-decays ``[BC, BK]``, and the log-decay from the
+    sub-chunk's start to each row (inclusive) and from each row to its end (exclusive)."""
+    c = tl.arange(0, BC)
+    tok, valid = _rows(i_cj * BC + c, i_c, start, end, row_base, BT, REVERSE)
+    b_a = _load_gates(a, tok, valid, i_h, offs_k, mask_k, H, K, True)
+    tok1, valid1 = _rows(i_cj * BC + c + 1, i_c, start, end, row_base, BT, REVERSE)
+    b_a1 = _load_gates(a, tok1, valid1 & (c + 1 < BC), i_h, offs_k, mask_k, H, K, True)
+    return tok, valid, b_a, tl.cumsum(b_a, axis=0), tl.cumsum(b_a1, axis=0, reverse=True)
+
+
+@triton.jit
+def _diagonal_decay(b_a, STRICT: tl.constexpr):
+    """``exp(sum of a over (j, i])`` for rows i, j of one block, ``[rows, rows, BK]``, and 0
+    where ``j > i`` (or ``j >= i`` if ``STRICT``). Each sum is a cumulative sum along i of the
+    rows after j (``X[s, j] = a_s [s > j]``): direct, never a difference; the masked entries are
+    ``exp(-inf) = 0``, never ``inf * 0``."""
+    c = tl.arange(0, b_a.shape[0])
+    after = c[:, None] > c[None, :]
+    span = tl.cumsum(tl.where(after[:, :, None], b_a[:, None, :], 0.0), axis=0)
+    if STRICT:
+        keep = after
     else:
-        offs = tok_last * H + i_h + offs_k * 0
-    return tl.load(G + offs, mask=mask_k, other=0.0).to(tl.float32)
+        keep = c[:, None] >= c[None, :]
+    return tl.exp(tl.where(keep[:, :, None], span, float("-inf")))
 
 
 @triton.jit
-def _load_gates(G, tok, valid, gamma, i_h, offs_k, mask_k, H: tl.constexpr, K: tl.constexpr,
-                USE_GK: tl.constexpr, REVERSE: tl.constexpr):
-    """Cumulative log-decays ``[rows, BK]`` (fp32). Rows outside the sequence get the value of the
-    nearest row inside it: Gamma past the walking end, 0 before the walking start. So G never
-    increases along the walk and every exp(G_later - G_earlier) in the kernels stays <= 1."""
-    b_g = tl.load(G + _gate_offsets(tok, i_h, offs_k, H, K, USE_GK),
-                  mask=valid[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
-    if REVERSE:
-        return tl.where(valid[:, None], b_g, 0.0)
-    return tl.where(valid[:, None], b_g, gamma[None, :])
-
-
-@triton.jit
-def _load_scalar_gates(G, tok, valid, tok_last, i_h, H: tl.constexpr, REVERSE: tl.constexpr):
-    """A scalar gate's cumulative log-decays as a vector over rows, filled as in _load_gates."""
-    b_g = tl.load(G + tok * H + i_h, mask=valid, other=0.0).to(tl.float32)
-    if REVERSE:
-        return tl.where(valid, b_g, 0.0)
-    return tl.where(valid, b_g, tl.load(G + tok_last * H + i_h).to(tl.float32))
+def _decay_matrix(b_a, STRICT: tl.constexpr):
+    """The scalar gate's ``[rows, rows]`` decay matrix, as :func:`_diagonal_decay`."""
+    c = tl.arange(0, b_a.shape[0])
+    after = c[:, None] > c[None, :]
+    span = tl.cumsum(tl.where(after, b_a[:, None], 0.0), axis=0)
+    if STRICT:
+        keep = after
+    else:
+        keep = c[:, None] >= c[None, :]
+    return tl.exp(tl.where(keep, span, float("-inf")))
 
 
 @triton.jit
@@ -324,7 +368,7 @@ def _load_rows(ptr, tok, valid, cols, mask_cols, STRIDE: tl.constexpr):
 
 @triton.jit
 def _states_kernel(
-    k, v, G, h0, cu_seqlens, chunk_offsets, T, NT_SLOTS, num_seqs,
+    k, v, a, h0, cu_seqlens, chunk_offsets, T, NT_SLOTS, num_seqs,
     states, ht,  # outputs: the state at every chunk's start [B * NT_SLOTS, H, K, V]; final [N, H, K, V]
     H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -360,12 +404,11 @@ def _states_kernel(
         b_k = _load_rows(k + i_kv * K, tok, valid, offs_k, mask_k, H_KV * K)
         b_v = _load_rows(v + i_kv * V, tok, valid, offs_v, mask_v, H_KV * V)
         if USE_G:
-            tok_last, _ = _last_token(i_c, start, end, row_base, BT, REVERSE)
-            gamma = _load_gamma(G, tok_last, i_h, offs_k, mask_k, H, K, USE_GK)
-            b_g = _load_gates(G, tok, valid, gamma, i_h, offs_k, mask_k, H, K, USE_GK, REVERSE)
+            _, to_end, total = _chunk_decays(a, r, i_c, start, end, row_base, i_h, offs_k, mask_k, H, K, BT,
+                                             USE_GK, REVERSE)
             # k_j exp(Gamma - G_j): the decay from token j to the chunk's end, <= 1.
-            b_k = (b_k * tl.exp(gamma[None, :] - b_g)).to(k.dtype.element_ty)
-            h = h * tl.exp(gamma)[:, None]
+            b_k = (b_k * tl.exp(to_end)).to(k.dtype.element_ty)
+            h = h * tl.exp(total)[:, None]
         h += tl.dot(tl.trans(b_k), b_v, input_precision=F32_DOT)
 
     tl.store(ht + (i_n.to(tl.int64) * H + i_h) * K * V + state_tile, h, mask=mask_h)
@@ -373,7 +416,7 @@ def _states_kernel(
 
 @triton.jit
 def _attention_kernel(
-    q, k, G, cu_seqlens, chunk_indices, T, num_seqs,
+    q, k, a, cu_seqlens, chunk_indices, T, num_seqs,
     A,  # output [B * T, H, BT] fp32: row = token, column = walking index of the key in its chunk
     H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, SCALE: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
@@ -391,49 +434,44 @@ def _attention_kernel(
         return
     row_base = i_b.to(tl.int64) * T
     NC: tl.constexpr = BT // BC
-    r_i = i_ci * BC + tl.arange(0, BC)
-    tok_i, valid_i = _rows(r_i, i_c, start, end, row_base, BT, REVERSE)
+    c = tl.arange(0, BC)
+    tok_i, valid_i = _rows(i_ci * BC + c, i_c, start, end, row_base, BT, REVERSE)
     a_rows = A + (tok_i[:, None] * H + i_h) * BT
     store_mask = valid_i[:, None]
-    c = tl.arange(0, BC)
-    tok_last, _ = _last_token(i_c, start, end, row_base, BT, REVERSE)
-    gamma = tl.zeros([BK], dtype=tl.float32)  # rows past the end get Gamma; loaded per K tile
 
+    b_a = tl.zeros([BC, BC], dtype=tl.float32)
     if USE_GK:
-        # Earlier sub-chunks J < I (with a scalar gate there is one sub-chunk). The boundary b is
-        # I's first row: exp(G_i - G_j) = exp(G_i - G_b) exp(G_b - G_j), both factors <= 1.
-        tok_b, valid_b = _rows(i_ci * BC + tl.arange(0, 1), i_c, start, end, row_base, BT, REVERSE)
+        # Earlier sub-chunks J < I. With b the boundary between I and the sub-chunk before it,
+        # exp(G_i - G_j) = exp(G_i - G_b) exp(G_b - G_j): the decay from I's start to i, and from
+        # j to I's start (the rest of J, then the sub-chunks in between); both factors <= 1.
         for i_cj in range(0, i_ci):
-            tok_j, valid_j = _rows(i_cj * BC + c, i_c, start, end, row_base, BT, REVERSE)
             b_a = tl.zeros([BC, BC], dtype=tl.float32)
             for i_k in range(0, tl.cdiv(K, BK)):
                 offs_k = i_k * BK + tl.arange(0, BK)
                 mask_k = offs_k < K
-                gamma = _load_gamma(G, tok_last, i_h, offs_k, mask_k, H, K, USE_GK)
+                _, _, _, from_start_i, _ = _sub_chunk_decays(a, i_ci, i_c, start, end, row_base, i_h, offs_k,
+                                                             mask_k, H, K, BT, BC, REVERSE)
+                tok_j, valid_j, _, _, to_end_j = _sub_chunk_decays(a, i_cj, i_c, start, end, row_base, i_h,
+                                                                   offs_k, mask_k, H, K, BT, BC, REVERSE)
+                between = _span_decay(a, (i_cj + 1) * BC, i_ci * BC, i_c, start, end, row_base, i_h, offs_k,
+                                      mask_k, H, K, BT, True, REVERSE)
                 b_q = _load_rows(q + i_h * K, tok_i, valid_i, offs_k, mask_k, H * K).to(tl.float32)
                 b_k = _load_rows(k + i_kv * K, tok_j, valid_j, offs_k, mask_k, H_KV * K).to(tl.float32)
-                g_i = _load_gates(G, tok_i, valid_i, gamma, i_h, offs_k, mask_k, H, K, USE_GK, REVERSE)
-                g_j = _load_gates(G, tok_j, valid_j, gamma, i_h, offs_k, mask_k, H, K, USE_GK, REVERSE)
-                g_b = _load_gates(G, tok_b, valid_b, gamma, i_h, offs_k, mask_k, H, K, USE_GK, REVERSE)
-                b_qg = b_q * tl.exp(g_i - g_b)
-                b_kg = b_k * tl.exp(g_b - g_j)
+                b_qg = b_q * tl.exp(from_start_i)
+                b_kg = b_k * tl.exp(to_end_j + between[None, :])
                 b_a += tl.dot(b_qg, tl.trans(b_kg), input_precision=F32_DOT)
             tl.store(a_rows + i_cj * BC + c[None, :], b_a * SCALE, mask=store_mask)
 
-    # The diagonal sub-chunk: j <= i inside the same BC rows.
-    causal = r_i[:, None] >= r_i[None, :]
-    b_a = tl.zeros([BC, BC], dtype=tl.float32)
-    if USE_GK:
-        # Elementwise: exp(where(i >= j, G_i - G_j, -inf)) per column of K, never exp(+G).
+        # The diagonal sub-chunk, elementwise per column of K: exp(sum of a over (j, i]).
+        b_a = tl.zeros([BC, BC], dtype=tl.float32)
         for i_k in range(0, tl.cdiv(K, BK)):
             offs_k = i_k * BK + tl.arange(0, BK)
             mask_k = offs_k < K
-            gamma = _load_gamma(G, tok_last, i_h, offs_k, mask_k, H, K, USE_GK)
+            _, _, b_g, _, _ = _sub_chunk_decays(a, i_ci, i_c, start, end, row_base, i_h, offs_k, mask_k, H, K,
+                                                BT, BC, REVERSE)
             b_q = _load_rows(q + i_h * K, tok_i, valid_i, offs_k, mask_k, H * K).to(tl.float32)
             b_k = _load_rows(k + i_kv * K, tok_i, valid_i, offs_k, mask_k, H_KV * K).to(tl.float32)
-            g_i = _load_gates(G, tok_i, valid_i, gamma, i_h, offs_k, mask_k, H, K, USE_GK, REVERSE)
-            decay = tl.exp(tl.where(causal[:, :, None], g_i[:, None, :] - g_i[None, :, :], float("-inf")))
-            b_a += tl.sum(b_q[:, None, :] * b_k[None, :, :] * decay, axis=2)
+            b_a += tl.sum(b_q[:, None, :] * b_k[None, :, :] * _diagonal_decay(b_g, False), axis=2)
     else:
         for i_k in range(0, tl.cdiv(K, BK)):
             offs_k = i_k * BK + tl.arange(0, BK)
@@ -442,11 +480,10 @@ def _attention_kernel(
             b_k = _load_rows(k + i_kv * K, tok_i, valid_i, offs_k, mask_k, H_KV * K)
             b_a += tl.dot(b_q, tl.trans(b_k.to(b_q.dtype)), input_precision=F32_DOT)
         if USE_G:
-            # The scalar gate: the decay matrix exp(where(i >= j, G_i - G_j, -inf)).
-            g1 = _load_scalar_gates(G, tok_i, valid_i, tok_last, i_h, H, REVERSE)
-            b_a *= tl.exp(tl.where(causal, g1[:, None] - g1[None, :], float("-inf")))
+            b_g = tl.load(a + tok_i * H + i_h, mask=valid_i, other=0.0)
+            b_a *= _decay_matrix(b_g, False)
         else:
-            b_a = tl.where(causal, b_a, 0.0)
+            b_a = tl.where(c[:, None] >= c[None, :], b_a, 0.0)
     tl.store(a_rows + i_ci * BC + c[None, :], b_a * SCALE, mask=store_mask)
 
     # Later sub-chunks: zero (A is lower-triangular in walking order).
@@ -456,7 +493,7 @@ def _attention_kernel(
 
 @triton.jit
 def _output_kernel(
-    q, v, G, states, A, cu_seqlens, chunk_indices, T, NT_SLOTS, num_seqs,
+    q, v, a, states, A, cu_seqlens, chunk_indices, T, NT_SLOTS, num_seqs,
     o,  # output [B * T, H, V] in the query's dtype
     H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, SCALE: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -473,7 +510,6 @@ def _output_kernel(
     row_base = i_b.to(tl.int64) * T
     r = tl.arange(0, BT)
     tok, valid = _rows(r, i_c, start, end, row_base, BT, REVERSE)
-    tok_last, _ = _last_token(i_c, start, end, row_base, BT, REVERSE)
     offs_v = i_v * BV + tl.arange(0, BV)
     mask_v = offs_v < V
     slot = i_b.to(tl.int64) * NT_SLOTS + i_t
@@ -485,9 +521,9 @@ def _output_kernel(
         mask_k = offs_k < K
         b_q = _load_rows(q + i_h * K, tok, valid, offs_k, mask_k, H * K)
         if USE_G:
-            gamma = _load_gamma(G, tok_last, i_h, offs_k, mask_k, H, K, USE_GK)
-            b_g = _load_gates(G, tok, valid, gamma, i_h, offs_k, mask_k, H, K, USE_GK, REVERSE)
-            b_q = (b_q * tl.exp(b_g)).to(q.dtype.element_ty)  # decay from the chunk's start, <= 1
+            from_start, _, _ = _chunk_decays(a, r, i_c, start, end, row_base, i_h, offs_k, mask_k, H, K, BT,
+                                             USE_GK, REVERSE)
+            b_q = (b_q * tl.exp(from_start)).to(q.dtype.element_ty)  # decay from the chunk's start, <= 1
         b_h = tl.load(h_base + offs_k[:, None] * V + offs_v[None, :], mask=mask_k[:, None] & mask_v[None, :],
                       other=0.0)
         b_o += tl.dot(b_q, b_h.to(b_q.dtype), input_precision=F32_DOT)
@@ -506,7 +542,7 @@ def _output_kernel(
 
 @triton.jit
 def _state_grads_kernel(
-    q, do, G, dht, cu_seqlens, chunk_offsets, T, NT_SLOTS, num_seqs,
+    q, do, a, dht, cu_seqlens, chunk_offsets, T, NT_SLOTS, num_seqs,
     dstates, dh0,  # outputs: D (gradient of the state after each chunk); d initial_state
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, SCALE: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -540,11 +576,10 @@ def _state_grads_kernel(
         b_q = _load_rows(q + i_h * K, tok, valid, offs_k, mask_k, H * K)
         b_do = _load_rows(do + i_h * V, tok, valid, offs_v, mask_v, H * V)
         if USE_G:
-            tok_last, _ = _last_token(i_c, start, end, row_base, BT, REVERSE)
-            gamma = _load_gamma(G, tok_last, i_h, offs_k, mask_k, H, K, USE_GK)
-            b_g = _load_gates(G, tok, valid, gamma, i_h, offs_k, mask_k, H, K, USE_GK, REVERSE)
-            b_q = (b_q * tl.exp(b_g)).to(q.dtype.element_ty)
-            dh = dh * tl.exp(gamma)[:, None]
+            from_start, _, total = _chunk_decays(a, r, i_c, start, end, row_base, i_h, offs_k, mask_k, H, K, BT,
+                                                 USE_GK, REVERSE)
+            b_q = (b_q * tl.exp(from_start)).to(q.dtype.element_ty)
+            dh = dh * tl.exp(total)[:, None]
         dh += SCALE * tl.dot(tl.trans(b_q), b_do.to(b_q.dtype), input_precision=F32_DOT)
 
     if HAS_H0:
@@ -589,7 +624,7 @@ def _dA_kernel(
 
 @triton.jit
 def _intra_grads_kernel(
-    q, k, G, dA, cu_seqlens, chunk_indices, T, num_seqs,
+    q, k, a, dA, cu_seqlens, chunk_indices, T, num_seqs,
     dq, dk, dg,  # outputs [B * T, H, K] fp32: intra-chunk dq~ (w.r.t. scale q), dk, dG
     H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, SCALE: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
@@ -607,48 +642,45 @@ def _intra_grads_kernel(
         return
     row_base = i_b.to(tl.int64) * T
     c = tl.arange(0, BC)
-    r_i = i_ci * BC + c
-    tok_i, valid_i = _rows(r_i, i_c, start, end, row_base, BT, REVERSE)
     offs_k = i_k * BK + tl.arange(0, BK)
     mask_k = offs_k < K
-    tok_last, _ = _last_token(i_c, start, end, row_base, BT, REVERSE)
-    gamma = _load_gamma(G, tok_last, i_h, offs_k, mask_k, H, K, True)
-
+    tok_i, valid_i, b_g, from_start_i, to_end_i = _sub_chunk_decays(a, i_ci, i_c, start, end, row_base, i_h,
+                                                                    offs_k, mask_k, H, K, BT, BC, REVERSE)
     b_q = _load_rows(q + i_h * K, tok_i, valid_i, offs_k, mask_k, H * K).to(tl.float32) * SCALE
     b_k = _load_rows(k + i_kv * K, tok_i, valid_i, offs_k, mask_k, H_KV * K).to(tl.float32)
-    g_i = _load_gates(G, tok_i, valid_i, gamma, i_h, offs_k, mask_k, H, K, True, REVERSE)
     da_rows = dA + (tok_i[:, None] * H + i_h) * BT
 
-    # As queries: keys in earlier sub-chunks, through I's first row b.
+    # As queries: keys in earlier sub-chunks, through the boundary at I's start (see
+    # _attention_kernel): dq~_i = exp(G_i - G_b) sum_J dA_iJ (k_J exp(G_b - G_J)).
     b_dq = tl.zeros([BC, BK], dtype=tl.float32)
-    tok_b, valid_b = _rows(i_ci * BC + tl.arange(0, 1), i_c, start, end, row_base, BT, REVERSE)
-    g_b = _load_gates(G, tok_b, valid_b, gamma, i_h, offs_k, mask_k, H, K, True, REVERSE)
     for i_cj in range(0, i_ci):
-        tok_j, valid_j = _rows(i_cj * BC + c, i_c, start, end, row_base, BT, REVERSE)
+        tok_j, valid_j, _, _, to_end_j = _sub_chunk_decays(a, i_cj, i_c, start, end, row_base, i_h, offs_k,
+                                                           mask_k, H, K, BT, BC, REVERSE)
+        between = _span_decay(a, (i_cj + 1) * BC, i_ci * BC, i_c, start, end, row_base, i_h, offs_k, mask_k,
+                              H, K, BT, True, REVERSE)
         b_kj = _load_rows(k + i_kv * K, tok_j, valid_j, offs_k, mask_k, H_KV * K).to(tl.float32)
-        g_j = _load_gates(G, tok_j, valid_j, gamma, i_h, offs_k, mask_k, H, K, True, REVERSE)
         b_da = tl.load(da_rows + i_cj * BC + c[None, :], mask=valid_i[:, None], other=0.0)
-        b_dq += tl.dot(b_da, b_kj * tl.exp(g_b - g_j), input_precision=F32_DOT)
-    b_dq *= tl.exp(g_i - g_b)
+        b_dq += tl.dot(b_da, b_kj * tl.exp(to_end_j + between[None, :]), input_precision=F32_DOT)
+    b_dq *= tl.exp(from_start_i)
 
-    # As keys: queries in later sub-chunks, through I's last row e.
+    # As keys: queries in later sub-chunks, through the boundary at I's end:
+    # dk_j = exp(G_e - G_j) sum_J dA_Jj^T (scale q_J exp(G_J - G_e)).
     b_dk = tl.zeros([BC, BK], dtype=tl.float32)
-    tok_e, valid_e = _rows(i_ci * BC + BC - 1 + tl.arange(0, 1), i_c, start, end, row_base, BT, REVERSE)
-    g_e = _load_gates(G, tok_e, valid_e, gamma, i_h, offs_k, mask_k, H, K, True, REVERSE)
     for i_cj in range(i_ci + 1, NC):
-        tok_j, valid_j = _rows(i_cj * BC + c, i_c, start, end, row_base, BT, REVERSE)
+        tok_j, valid_j, _, from_start_j, _ = _sub_chunk_decays(a, i_cj, i_c, start, end, row_base, i_h, offs_k,
+                                                               mask_k, H, K, BT, BC, REVERSE)
+        between = _span_decay(a, (i_ci + 1) * BC, i_cj * BC, i_c, start, end, row_base, i_h, offs_k, mask_k,
+                              H, K, BT, True, REVERSE)
         b_qj = _load_rows(q + i_h * K, tok_j, valid_j, offs_k, mask_k, H * K).to(tl.float32) * SCALE
-        g_j = _load_gates(G, tok_j, valid_j, gamma, i_h, offs_k, mask_k, H, K, True, REVERSE)
-        # [BC (queries j), BC (keys i)]: the block of dA in rows J, columns I.
+        # [BC (queries in J), BC (keys in I)]: the block of dA in rows J, columns I.
         b_da = tl.load(dA + (tok_j[:, None] * H + i_h) * BT + i_ci * BC + c[None, :], mask=valid_j[:, None],
                        other=0.0)
-        b_dk += tl.dot(tl.trans(b_da), b_qj * tl.exp(g_j - g_e), input_precision=F32_DOT)
-    b_dk *= tl.exp(g_e - g_i)
+        b_dk += tl.dot(tl.trans(b_da), b_qj * tl.exp(from_start_j + between[None, :]), input_precision=F32_DOT)
+    b_dk *= tl.exp(to_end_i)
 
     # The diagonal sub-chunk, elementwise, strictly below the diagonal: [i, j, k] terms.
     b_da = tl.load(da_rows + i_ci * BC + c[None, :], mask=valid_i[:, None], other=0.0)
-    strict = c[:, None] > c[None, :]
-    decay = tl.exp(tl.where(strict[:, :, None], g_i[:, None, :] - g_i[None, :, :], float("-inf")))
+    decay = _diagonal_decay(b_g, True)
     b_dq += tl.sum(b_da[:, :, None] * b_k[None, :, :] * decay, axis=1)
     b_dk += tl.sum(b_da[:, :, None] * b_q[:, None, :] * decay, axis=0)
 
@@ -666,7 +698,7 @@ def _intra_grads_kernel(
 
 @triton.jit
 def _dv_kernel(
-    k, G, do, A, dstates, cu_seqlens, chunk_indices, T, NT_SLOTS, num_seqs,
+    k, a, do, A, dstates, cu_seqlens, chunk_indices, T, NT_SLOTS, num_seqs,
     dv,  # output [B * T, H, V] fp32, per query head
     H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -683,7 +715,6 @@ def _dv_kernel(
     row_base = i_b.to(tl.int64) * T
     r = tl.arange(0, BT)
     tok, valid = _rows(r, i_c, start, end, row_base, BT, REVERSE)
-    tok_last, _ = _last_token(i_c, start, end, row_base, BT, REVERSE)
     offs_v = i_v * BV + tl.arange(0, BV)
     mask_v = offs_v < V
     slot = i_b.to(tl.int64) * NT_SLOTS + i_t
@@ -697,9 +728,9 @@ def _dv_kernel(
         mask_k = offs_k < K
         b_k = _load_rows(k + i_kv * K, tok, valid, offs_k, mask_k, H_KV * K)
         if USE_G:
-            gamma = _load_gamma(G, tok_last, i_h, offs_k, mask_k, H, K, USE_GK)
-            b_g = _load_gates(G, tok, valid, gamma, i_h, offs_k, mask_k, H, K, USE_GK, REVERSE)
-            b_k = (b_k * tl.exp(gamma[None, :] - b_g)).to(k.dtype.element_ty)
+            _, to_end, _ = _chunk_decays(a, r, i_c, start, end, row_base, i_h, offs_k, mask_k, H, K, BT, USE_GK,
+                                         REVERSE)
+            b_k = (b_k * tl.exp(to_end)).to(k.dtype.element_ty)
         b_d = tl.load(d_base + offs_k[:, None] * V + offs_v[None, :], mask=mask_k[:, None] & mask_v[None, :],
                       other=0.0)
         b_dv += tl.dot(b_k, b_d.to(b_k.dtype), input_precision=F32_DOT)
@@ -708,7 +739,7 @@ def _dv_kernel(
 
 @triton.jit
 def _inter_grads_kernel(
-    q, k, v, G, do, states, dstates, dA, dq_intra, dk_intra, dg_intra,
+    q, k, v, a, do, states, dstates, dA, dq_intra, dk_intra, dg_intra,
     cu_seqlens, chunk_indices, T, NT_SLOTS, num_seqs, total_tokens,
     dq, dk, dg,  # outputs fp32: dq, dk [B * T, H, K] per query head; dG [B*T, H, K] or [NK, B*T, H]
     H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, SCALE: tl.constexpr,
@@ -727,7 +758,6 @@ def _inter_grads_kernel(
     row_base = i_b.to(tl.int64) * T
     r = tl.arange(0, BT)
     tok, valid = _rows(r, i_c, start, end, row_base, BT, REVERSE)
-    tok_last, r_last = _last_token(i_c, start, end, row_base, BT, REVERSE)
     offs_k = i_k * BK + tl.arange(0, BK)
     mask_k = offs_k < K
     slot = i_b.to(tl.int64) * NT_SLOTS + i_t
@@ -751,14 +781,14 @@ def _inter_grads_kernel(
     b_q = _load_rows(q + i_h * K, tok, valid, offs_k, mask_k, H * K).to(tl.float32) * SCALE
     b_k = _load_rows(k + i_kv * K, tok, valid, offs_k, mask_k, H_KV * K).to(tl.float32)
     if USE_G:
-        gamma = _load_gamma(G, tok_last, i_h, offs_k, mask_k, H, K, USE_GK)
-        b_g = _load_gates(G, tok, valid, gamma, i_h, offs_k, mask_k, H, K, USE_GK, REVERSE)
-        b_dq *= tl.exp(b_g)
-        b_dk *= tl.exp(gamma[None, :] - b_g)
-        b_hd *= tl.exp(gamma)
+        from_start, to_end, total = _chunk_decays(a, r, i_c, start, end, row_base, i_h, offs_k, mask_k, H, K,
+                                                  BT, USE_GK, REVERSE)
+        b_dq *= tl.exp(from_start)
+        b_dk *= tl.exp(to_end)
+        b_hd *= tl.exp(total)
         # The state terms of dG. At the chunk's last row the k^T v term's exp(Gamma - G_last) = 1
         # cancels exactly between "-k dk" and "sum_V D * H_next": leave it out of both.
-        is_last = r == r_last
+        is_last = r == _last_row(i_c, start, end, BT, REVERSE)
         b_kdk = tl.where(is_last[:, None], 0.0, b_k * b_dk)
         b_dg = b_q * b_dq - b_kdk
         b_dg += tl.where(is_last[:, None], (b_hd + tl.sum(b_kdk, axis=0))[None, :], 0.0)
@@ -772,12 +802,11 @@ def _inter_grads_kernel(
         tl.store(dg + out, b_dg, mask=out_mask)
     else:
         # Intra-chunk terms over the whole chunk: dq~ = (dA * M) k, dk = (dA * M)^T (scale q), with
-        # M the decay matrix (scalar gate) or the causal mask.
+        # M the decay matrix (scalar gate) or the causal mask (already applied to dA).
         b_da = _load_rows(dA + i_h * BT, tok, valid, r, r < BT, H * BT)
         if USE_G:
-            g1 = _load_scalar_gates(G, tok, valid, tok_last, i_h, H, REVERSE)
-            b_da *= tl.exp(tl.where(r[:, None] >= r[None, :], g1[:, None] - g1[None, :], float("-inf")))
-            # This tile's share of the scalar gate's state terms (summed over K tiles outside).
+            b_da *= _decay_matrix(tl.load(a + tok * H + i_h, mask=valid, other=0.0), False)
+            # This K tile's share of the scalar gate's state terms (summed over K tiles outside).
             tl.store(dg + (i_k * total_tokens + tok) * H + i_h, tl.sum(b_dg, axis=1), mask=valid)
         b_dq += tl.dot(b_da, b_k, input_precision=F32_DOT)
         b_dk += tl.dot(tl.trans(b_da), b_q, input_precision=F32_DOT)
@@ -808,7 +837,7 @@ def _check_grid(**sizes: int) -> None:
                              f"any vmapped axes count too)")
 
 
-def _layout(query, G, cu_seqlens, chunk_size):
+def _layout(query, a, cu_seqlens, chunk_size):
     """Sizes, chunk bookkeeping and the flags every kernel takes."""
     batch, seq_len, num_heads, _ = query.shape
     per_row = 1 if cu_seqlens is None else cu_seqlens.shape[0] - 1
@@ -825,7 +854,7 @@ def _layout(query, G, cu_seqlens, chunk_size):
         cu = cu_seqlens.astype(jnp.int32)
     _check_grid(**{"chunk slots": slots, "batch rows x heads (and sequences x heads)":
                    batch * per_row * num_heads})
-    flags = dict(USE_G=G is not None, USE_GK=G is not None and G.ndim == 4,
+    flags = dict(USE_G=a is not None, USE_GK=a is not None and a.ndim == 4,
                  IS_VARLEN=cu_seqlens is not None)
     return per_row, slots, cu, chunk_indices, chunk_offsets, flags
 
@@ -834,13 +863,13 @@ def _dot_precision(dtype, config: ChunkedConfig) -> str:
     return config.float32_dot if jnp.dtype(dtype) == jnp.float32 else "tf32"
 
 
-def _run_states(static, num_heads, k, v, G, h0, cu, chunk_offsets, per_row, slots, flags, state_dtype):
+def _run_states(static, num_heads, k, v, a, h0, cu, chunk_offsets, per_row, slots, flags, state_dtype):
     batch, seq_len, num_kv_heads, key_dim = k.shape
     value_dim = v.shape[3]
     block_k, block_v = _fit(static.config.states, key_dim, value_dim)
     num_seqs = batch * per_row
     return triton_call(
-        k, v, _or_stand_in(G), _or_stand_in(h0), cu, chunk_offsets, seq_len, slots, per_row,
+        k, v, _or_stand_in(a), _or_stand_in(h0), cu, chunk_offsets, seq_len, slots, per_row,
         kernel=_states_kernel,
         out_shape=[jax.ShapeDtypeStruct((batch * slots, num_heads, key_dim, value_dim), state_dtype),
                    jax.ShapeDtypeStruct((num_seqs, num_heads, key_dim, value_dim), jnp.float32)],
@@ -858,22 +887,22 @@ def _state_dtype(dtype):
     return jnp.float32 if jnp.dtype(dtype) == jnp.float32 else dtype
 
 
-def _forward_launch(static, query, key, value, G, h0, cu_seqlens):
+def _forward_launch(static, query, key, value, a, h0, cu_seqlens):
     """The three forward kernels: ``(o, final_state, A)``."""
     batch, seq_len, num_heads, key_dim = query.shape
     num_kv_heads, value_dim = key.shape[2], value.shape[3]
-    per_row, slots, cu, chunk_indices, chunk_offsets, flags = _layout(query, G, cu_seqlens, static.chunk_size)
+    per_row, slots, cu, chunk_indices, chunk_offsets, flags = _layout(query, a, cu_seqlens, static.chunk_size)
     cfg, bt = static.config, static.chunk_size
     precision = _dot_precision(query.dtype, cfg)
     common = dict(H=num_heads, H_KV=num_kv_heads, K=key_dim, BT=bt, USE_G=flags["USE_G"], USE_GK=flags["USE_GK"],
                   REVERSE=static.reverse, IS_VARLEN=flags["IS_VARLEN"], F32_DOT=precision)
 
-    states, final_state = _run_states(static, num_heads, key, value, G, h0, cu, chunk_offsets, per_row, slots, flags,
+    states, final_state = _run_states(static, num_heads, key, value, a, h0, cu, chunk_offsets, per_row, slots, flags,
                                       _state_dtype(query.dtype))
     sub = min(cfg.sub_chunk, bt) if flags["USE_GK"] else bt
     block_k, _ = _fit(cfg.attention, key_dim, value_dim)
     A = triton_call(
-        query, key, _or_stand_in(G), cu, chunk_indices, seq_len, per_row,
+        query, key, _or_stand_in(a), cu, chunk_indices, seq_len, per_row,
         kernel=_attention_kernel,
         out_shape=jax.ShapeDtypeStruct((batch, seq_len, num_heads, bt), jnp.float32),
         grid=(bt // sub, slots, batch * num_heads),
@@ -882,7 +911,7 @@ def _forward_launch(static, query, key, value, G, h0, cu_seqlens):
     )
     block_k, block_v = _fit(cfg.output, key_dim, value_dim)
     o = triton_call(
-        query, value, _or_stand_in(G), states, A, cu, chunk_indices, seq_len, slots, per_row,
+        query, value, _or_stand_in(a), states, A, cu, chunk_indices, seq_len, slots, per_row,
         kernel=_output_kernel,
         out_shape=jax.ShapeDtypeStruct((batch, seq_len, num_heads, value_dim), query.dtype),
         grid=(cdiv(value_dim, block_v), slots, batch * num_heads),
@@ -892,11 +921,11 @@ def _forward_launch(static, query, key, value, G, h0, cu_seqlens):
     return o, final_state, A
 
 
-def _backward_launch(static, query, key, value, G, h0, cu_seqlens, A, d_o, d_final_state):
-    """The backward kernels: ``(dq, dk, dv, dG, d initial_state)``, dk and dv per query head."""
+def _backward_launch(static, query, key, value, a, h0, cu_seqlens, A, d_o, d_final_state):
+    """The backward kernels: ``(dq, dk, dv, dg_terms, d initial_state)``, dk and dv per query head."""
     batch, seq_len, num_heads, key_dim = query.shape
     num_kv_heads, value_dim = key.shape[2], value.shape[3]
-    per_row, slots, cu, chunk_indices, chunk_offsets, flags = _layout(query, G, cu_seqlens, static.chunk_size)
+    per_row, slots, cu, chunk_indices, chunk_offsets, flags = _layout(query, a, cu_seqlens, static.chunk_size)
     cfg, bt = static.config, static.chunk_size
     f32 = jnp.float32
     precision = _dot_precision(query.dtype, cfg)
@@ -906,14 +935,14 @@ def _backward_launch(static, query, key, value, G, h0, cu_seqlens, A, d_o, d_fin
     gated = dict(USE_G=use_g, USE_GK=use_gk)
     per_token = lambda size: jax.ShapeDtypeStruct((batch, seq_len, num_heads, size), f32)  # noqa: E731
     state_dtype = _state_dtype(query.dtype)
-    G_ = _or_stand_in(G)
+    a_ = _or_stand_in(a)
     num_seqs = batch * per_row
 
     # The states again (cheaper to recompute than to keep), then D, walking the other way.
-    states, _ = _run_states(static, num_heads, key, value, G, h0, cu, chunk_offsets, per_row, slots, flags, state_dtype)
+    states, _ = _run_states(static, num_heads, key, value, a, h0, cu, chunk_offsets, per_row, slots, flags, state_dtype)
     block_k, block_v = _fit(cfg.state_grads, key_dim, value_dim)
     dstates, dh0 = triton_call(
-        query, d_o, G_, _or_stand_in(d_final_state), cu, chunk_offsets, seq_len, slots, per_row,
+        query, d_o, a_, _or_stand_in(d_final_state), cu, chunk_offsets, seq_len, slots, per_row,
         kernel=_state_grads_kernel,
         out_shape=[jax.ShapeDtypeStruct((batch * slots, num_heads, key_dim, value_dim), state_dtype),
                    jax.ShapeDtypeStruct((num_seqs, num_heads, key_dim, value_dim) if h0 is not None else (1,),
@@ -940,7 +969,7 @@ def _backward_launch(static, query, key, value, G, h0, cu_seqlens, A, d_o, d_fin
         sub = min(cfg.sub_chunk, bt)
         block_k, _ = _fit(cfg.intra_grads, key_dim, value_dim)
         dq_intra, dk_intra, dg_intra = triton_call(
-            query, key, G, dA, cu, chunk_indices, seq_len, per_row,
+            query, key, a, dA, cu, chunk_indices, seq_len, per_row,
             kernel=_intra_grads_kernel,
             out_shape=[per_token(key_dim)] * 3,
             grid=(cdiv(key_dim, block_k) * (bt // sub), slots, batch * num_heads),
@@ -952,7 +981,7 @@ def _backward_launch(static, query, key, value, G, h0, cu_seqlens, A, d_o, d_fin
 
     block_k, block_v = _fit(cfg.dv, key_dim, value_dim)
     dv = triton_call(
-        key, G_, d_o, A, dstates, cu, chunk_indices, seq_len, slots, per_row,
+        key, a_, d_o, A, dstates, cu, chunk_indices, seq_len, slots, per_row,
         kernel=_dv_kernel,
         out_shape=per_token(value_dim),
         grid=(cdiv(value_dim, block_v), slots, batch * num_heads),
@@ -969,7 +998,7 @@ def _backward_launch(static, query, key, value, G, h0, cu_seqlens, A, d_o, d_fin
     else:
         dg_shape = (1,)
     dq, dk, dg = triton_call(
-        query, key, value, G_, d_o, states, dstates, dA, dq_intra, dk_intra,
+        query, key, value, a_, d_o, states, dstates, dA, dq_intra, dk_intra,
         dg_intra if use_gk else jnp.zeros((1,), f32), cu, chunk_indices, seq_len, slots, per_row,
         batch * seq_len,
         kernel=_inter_grads_kernel,
@@ -985,7 +1014,7 @@ def _backward_launch(static, query, key, value, G, h0, cu_seqlens, A, d_o, d_fin
     return dq, dk, dv, dg, dh0
 
 
-# Under jax.vmap the launches fold the mapped axis into the batch: q, k, v, G, A, do and the
+# Under jax.vmap the launches fold the mapped axis into the batch: q, k, v, a, A, do and the
 # states have one (axis 0); cu_seqlens has none (mapped, the launches run one element at a time).
 _FWD_IN_AXES = (0, 0, 0, 0, 0, None)
 _BWD_IN_AXES = (0, 0, 0, 0, 0, None, 0, 0, 0)
@@ -1002,7 +1031,7 @@ def _empty(query, value, cu_seqlens):
     return num_seqs * num_heads * key_dim * value.shape[3] == 0 or batch * seq_len == 0
 
 
-def _forward(static, query, key, value, G, h0, cu_seqlens):
+def _forward(static, query, key, value, a, h0, cu_seqlens):
     batch, seq_len, num_heads, key_dim = query.shape
     value_dim = value.shape[3]
     num_seqs = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
@@ -1011,7 +1040,7 @@ def _forward(static, query, key, value, G, h0, cu_seqlens):
         state = jnp.zeros((num_seqs, num_heads, key_dim, value_dim), jnp.float32) if h0 is None else h0
         return o, state.astype(jnp.float32), jnp.zeros((batch, seq_len, num_heads, static.chunk_size), jnp.float32)
     launch = vmap_by_folding(functools.partial(_forward_launch, static), in_axes=_FWD_IN_AXES, out_axes=(0, 0, 0))
-    o, final_state, A = launch(query, key, value, G, h0, cu_seqlens)
+    o, final_state, A = launch(query, key, value, a, h0, cu_seqlens)
     valid = _valid_tokens(cu_seqlens, seq_len)
     if valid is not None:
         o = jnp.where(valid, o, 0).astype(o.dtype)
@@ -1019,20 +1048,20 @@ def _forward(static, query, key, value, G, h0, cu_seqlens):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _chunked(static, query, key, value, G, h0, cu_seqlens):
-    o, final_state, _ = _forward(static, query, key, value, G, h0, cu_seqlens)
+def _chunked(static, query, key, value, a, h0, cu_seqlens):
+    o, final_state, _ = _forward(static, query, key, value, a, h0, cu_seqlens)
     return o, final_state
 
 
 def _chunked_fwd(static, *primals):
     # With symbolic_zeros=True each array argument arrives as a CustomVJPPrimal (value, perturbed).
-    query, key, value, G, h0, cu_seqlens = [None if p is None else p.value for p in primals]
-    o, final_state, A = _forward(static, query, key, value, G, h0, cu_seqlens)
-    return (o, final_state), (query, key, value, G, h0, cu_seqlens, A)
+    query, key, value, a, h0, cu_seqlens = [None if p is None else p.value for p in primals]
+    o, final_state, A = _forward(static, query, key, value, a, h0, cu_seqlens)
+    return (o, final_state), (query, key, value, a, h0, cu_seqlens, A)
 
 
 def _chunked_bwd(static, residuals, cotangents):
-    query, key, value, G, h0, cu_seqlens, A = residuals
+    query, key, value, a, h0, cu_seqlens, A = residuals
     d_o, d_final_state = cotangents
     if isinstance(d_o, jax.custom_derivatives.SymbolicZero):  # only final_state was used
         d_o = jnp.zeros(d_o.shape, d_o.dtype)
@@ -1046,25 +1075,31 @@ def _chunked_bwd(static, residuals, cotangents):
     if _empty(query, value, cu_seqlens):
         dq = dk = jnp.zeros((batch, seq_len, num_heads, key_dim), f32)
         dv = jnp.zeros((batch, seq_len, num_heads, value_dim), f32)
-        dG = None if G is None else jnp.zeros(G.shape, f32)
+        dg_terms = None if a is None else jnp.zeros(a.shape, f32)
         dh0 = None if h0 is None else (jnp.zeros(h0.shape, f32) if d_final_state is None else d_final_state)
     else:
-        use_g, use_gk = G is not None, G is not None and G.ndim == 4
+        use_g, use_gk = a is not None, a is not None and a.ndim == 4
         # Where each output's batch rows are (None: a 1-element stand-in).
         out_axes = (0, 0, 0, 0 if use_g else None, 0 if h0 is not None else None)
         launch = vmap_by_folding(functools.partial(_backward_launch, static), in_axes=_BWD_IN_AXES,
                                  out_axes=out_axes)
-        dq, dk, dv, dG, dh0 = launch(query, key, value, G, h0, cu_seqlens, A, d_o.astype(query.dtype),
+        dq, dk, dv, dg_terms, dh0 = launch(query, key, value, a, h0, cu_seqlens, A, d_o.astype(query.dtype),
                                      d_final_state)
         valid = _valid_tokens(cu_seqlens, seq_len)
         if valid is not None:
             dq, dk, dv = (jnp.where(valid, x, 0) for x in (dq, dk, dv))
-            if use_g:
-                dG = jnp.where(valid if use_gk else valid[..., 0], dG, 0)
-        if not use_g:
-            dG = None
+        if use_g:
+            # The kernels give the gradient with respect to G, a's cumulative sum within each chunk
+            # in walking order; a's is its transpose, the suffix sums within the same chunks
+            # (which also zero the tokens outside every sequence).
+            dg_terms = chunk_local_cumsum(dg_terms, static.chunk_size, reverse=not static.reverse,
+                                          cu_seqlens=cu_seqlens)
+        else:
+            dg_terms = None
         if h0 is None:
             dh0 = None
+
+    da = dg_terms
 
     def grouped(x):  # a key/value head's gradient sums over the query heads it serves
         return x.reshape(batch, seq_len, num_kv_heads, group, x.shape[-1]).sum(3)
@@ -1072,7 +1107,7 @@ def _chunked_bwd(static, residuals, cotangents):
     def cast(x, like):
         return None if like is None else x.astype(like.dtype)
 
-    return (cast(dq, query), cast(grouped(dk), key), cast(grouped(dv), value), cast(dG, G), cast(dh0, h0),
+    return (cast(dq, query), cast(grouped(dk), key), cast(grouped(dv), value), cast(da, a), cast(dh0, h0),
             None)
 
 
@@ -1084,11 +1119,10 @@ _chunked.defvjp(_chunked_fwd, _chunked_bwd, symbolic_zeros=True)
 # ----------------------------------------------------------------------------------------------
 
 
-def _cumulative_gates(g, g_gamma, gk, shape, chunk_size, reverse, cu_seqlens):
-    """G: the log-decay along K, ``a = g + g_gamma + gk`` (float32), summed within each chunk in
-    walking order (``[B, T, H]`` for scalar gates, ``[B, T, H, K]`` with ``gk``; None without
-    gates). Plain JAX around ``chunk_local_cumsum``: JAX differentiates it, so the kernels'
-    gradient with respect to G becomes the gates' gradients (a reverse cumsum, then sums)."""
+def _log_decays(g, g_gamma, gk, shape):
+    """a: the log-decay along K, ``a = g + g_gamma + gk`` in float32: ``[B, T, H]`` for scalar
+    gates, ``[B, T, H, K]`` with ``gk``; None without gates. Plain JAX: JAX differentiates it, so
+    the kernels' gradient with respect to a becomes the gates' gradients (sums)."""
     batch, seq_len, num_heads, _ = shape
     f32 = jnp.float32
     if g is None and g_gamma is None and gk is None:
@@ -1100,7 +1134,7 @@ def _cumulative_gates(g, g_gamma, gk, shape, chunk_size, reverse, cu_seqlens):
         a = a + g_gamma.astype(f32)
     if gk is not None:
         a = gk.astype(f32) + a[..., None]
-    return chunk_local_cumsum(a, chunk_size, reverse=reverse, cu_seqlens=cu_seqlens, output_dtype=f32)
+    return a
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
@@ -1110,9 +1144,9 @@ def _chunked_jit(static, query, key, value, g, g_gamma, gk, initial_state, cu_se
         # of them can be sent outside its arrays. (cu_seqlens gets no gradient.)
         cu_seqlens = sanitize_cu_seqlens(cu_seqlens, query.shape[1])
     dtype = jnp.result_type(query.dtype, key.dtype, value.dtype)  # one dtype for the products
-    G = _cumulative_gates(g, g_gamma, gk, query.shape, static.chunk_size, static.reverse, cu_seqlens)
+    a = _log_decays(g, g_gamma, gk, query.shape)
     h0 = None if initial_state is None else initial_state.astype(jnp.float32)
-    o, final_state = _chunked(static, query.astype(dtype), key.astype(dtype), value.astype(dtype), G, h0,
+    o, final_state = _chunked(static, query.astype(dtype), key.astype(dtype), value.astype(dtype), a, h0,
                               cu_seqlens)
     return o.astype(query.dtype), final_state
 
