@@ -296,6 +296,18 @@ def test_vmap_and_grad(rng):
             assert rel_err(grads[name][i], grad[name]) <= 1e-6, name
 
 
+def test_vmap_mapped_cu_seqlens(rng):
+    """Each element its own packing: the launches run one element at a time; equals a loop."""
+    inputs = {n: jnp.asarray(x, jnp.float32) for n, x in
+              make_inputs(rng, batch=1, seq_len=24, gates=("gk",), num_states=3).items()}
+    cus = jnp.stack([packing([10, 0, 14]), packing([1, 17, 3])])
+    outs = jax.vmap(lambda cu: chunked_recurrent(**inputs, cu_seqlens=cu, chunk_size=16))(cus)
+    for i in range(2):
+        expected = chunked_recurrent(**inputs, cu_seqlens=cus[i], chunk_size=16)
+        for x, y in zip(outs, expected):
+            assert rel_err(x[i], y) <= 1e-6
+
+
 def test_impl_xla_and_float64(rng):
     inputs = make_inputs(rng, gates=ALL_GATES)
     arrays = {n: jnp.asarray(x, jnp.float32) for n, x in inputs.items()}
