@@ -27,6 +27,7 @@ from ejk_lite.packing import (
 from ejk_lite.cumsum import CumsumConfig, chunk_global_cumsum, chunk_local_cumsum
 from ejk_lite.pooling import PoolingConfig, block_mean_pooling, mean_pooling
 from ejk_lite.linear_attention import RecurrentConfig, recurrent
+from ejk_lite.chunked import ChunkedConfig, KernelConfig, chunked_recurrent
 from ejk_lite.masking import BlockMask, intersection, make_block_mask, union
 from ejk_lite.attention import BlockSizes, blocksparse_attention
 

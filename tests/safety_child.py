@@ -7,7 +7,7 @@ checks the exit status and what was printed::
 
     python safety_child.py OP LAYER
 
-``OP`` is ``local``, ``global``, ``mean``, ``blocks`` or ``recurrent``. ``LAYER`` is
+``OP`` is ``local``, ``global``, ``mean``, ``blocks``, ``recurrent`` or ``chunked``. ``LAYER`` is
 
 * ``public``: the op as a user calls it, with ``cu_seqlens`` traced under ``jax.jit`` (its values
   unknown, so unchecked), forward and gradient. The answer must be the float64 reference's on the
@@ -29,12 +29,14 @@ import jax.numpy as jnp
 import numpy as np
 
 import ejk_lite  # noqa: F401  (settles TRITON_INTERPRET before the kernels are defined)
-from ejk_lite import block_mean_pooling, chunk_global_cumsum, chunk_local_cumsum, mean_pooling, recurrent
+from ejk_lite import (block_mean_pooling, chunk_global_cumsum, chunk_local_cumsum, chunked_recurrent, mean_pooling,
+                      recurrent)
 from ejk_lite.packing import sanitize_cu_seqlens
 
 cumsum = importlib.import_module("ejk_lite.cumsum")
 pooling = importlib.import_module("ejk_lite.pooling")
 rec = importlib.import_module("ejk_lite.linear_attention")
+chk = importlib.import_module("ejk_lite.chunked")
 
 T = 12  # tokens
 INT_MIN, INT_MAX = -2**31, 2**31 - 1
@@ -81,9 +83,12 @@ def public(op, rng):
         return (lambda a, cu: block_mean_pooling(a, 4, cu, total_blocks=blocks, impl="triton"), reference,
                 rng.standard_normal((T, 5)))
 
-    # recurrent: q, k, v and a decay g, all cut from one array so that one gradient covers them.
+    # recurrent and chunked: q, k, v and a decay g, all cut from one array so that one gradient
+    # covers them (chunked: a per-key decay gk as well).
     def split(a):
         q, k, v = a[..., 0:3], a[..., 3:6], a[..., 6:8]
+        if op == "chunked":
+            return q, k, v, -jnp.abs(a[..., 8]), -jnp.abs(a[..., 9:12])
         return q, k, v, -jnp.abs(a[..., 8])
 
     def run(fn):
@@ -91,6 +96,10 @@ def public(op, rng):
             o, state = fn(*split(a), cu_seqlens=cu)
             return jnp.concatenate([o.ravel(), state.ravel()])
         return f
+    if op == "chunked":
+        return (run(lambda q, k, v, g, gk, **kw: chunked_recurrent(q, k, v, g=g, gk=gk, chunk_size=16, **kw)),
+                run(lambda q, k, v, g, gk, **kw: rec.reference(q, k, v, g=g, gk=gk, **kw)),
+                rng.standard_normal((1, T, 2, 12)))
     return run(lambda *a, **kw: recurrent(*a, **kw, impl="triton")), \
         run(lambda q, k, v, g, **kw: rec.reference(q, k, v, g=g, **kw)), \
         rng.standard_normal((1, T, 2, 9))
@@ -143,6 +152,17 @@ def run_kernels(op):
                 blocks = jnp.asarray(GARBAGE_BLOCKS)
                 out, vjp = jax.vjp(lambda a: pooling._block_pool_triton(a, cu, blocks, block_plan), x)
             return out, vjp(out)
+    elif op == "chunked":
+        x = jnp.asarray(rng.standard_normal((2, T, 2, 3)), f32)  # two rows, as vmap folds them
+
+        def launches(q, cu):  # forward and backward launches, without _chunked_jit's sanitization
+            results = []
+            for reverse in (False, True):
+                static = chk._Static(scale=0.5, chunk_size=16, reverse=reverse, config=chk.ChunkedConfig())
+                for a in (-jnp.abs(q[..., 0]), -jnp.abs(q)):  # a scalar gate, a per-key gate
+                    o, state, A = chk._forward_launch(static, q, q, q, a, None, cu)
+                    results.append(chk._backward_launch(static, q, q, q, a, None, cu, A, o, state))
+            return results
     else:
         x = jnp.asarray(rng.standard_normal((2, T, 2, 3)), f32)  # two rows, as vmap folds them
         config = rec.RecurrentConfig()

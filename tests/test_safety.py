@@ -23,7 +23,7 @@ import pytest
 from conftest import TOLERANCE
 
 CHILD = Path(__file__).with_name("safety_child.py")
-OPS = ["local", "global", "mean", "blocks", "recurrent"]
+OPS = ["local", "global", "mean", "blocks", "recurrent", "chunked"]
 KINDS = ["negative", "int_min", "int_max", "decreasing", "not_from_zero", "beyond_the_end", "uint32_wraps_negative"]
 
 

@@ -1,0 +1,1224 @@
+"""Chunked linear attention: the training-speed form of :func:`ejk_lite.recurrent`.
+
+The recurrence (see :mod:`ejk_lite.recurrent`) is, per query head, with the K-side log-decay
+``a_t = g_t + g_gamma + gk_t`` (a vector along K; a scalar gate is the same number in every
+column)::
+
+    h_t = exp(a_t)[:, None] * h_{t-1} + k_t^T v_t            o_t = scale * q_t h_t
+
+Walked token by token it is a chain of tiny outer products. Cut the walk into chunks of ``C``
+tokens (``chunk_size``, 64 by default) and write ``G_i`` for the cumulative log-decay *inside*
+a chunk, ``G_i = a_first + ... + a_i`` (``chunk_local_cumsum``), ``Gamma = G_last`` for the
+whole chunk's decay and ``H`` for the state before the chunk. Unrolling the recurrence over one
+chunk gives, for token ``i`` of the chunk::
+
+    o_i    = scale * (q_i * exp(G_i)) H  +  sum_{j <= i} A_ij v_j
+    A_ij   = scale * sum_k q_ik k_jk exp(G_ik - G_jk)                    (j <= i, else 0)
+    H_next = exp(Gamma)[:, None] * H  +  sum_j (k_j * exp(Gamma - G_j))^T v_j
+
+The first term of ``o`` is a ``[C, K] x [K, V]`` matrix product, the second ``[C, C] x [C, V]``,
+the state update ``[K, C] x [C, V]``: tensor-core work. Only the hand-off of ``H`` from chunk to
+chunk is sequential, ``T / C`` steps instead of ``T``.
+
+**Numerical safety.** The log-decays are ``<= 0``, so ``G`` only decreases along the walk and
+``exp(G_i - G_j)`` is at most 1 whenever ``j`` comes before ``i``. With strong decay (log-gates of
+-40 per token, say) ``G`` reaches -2500 within a chunk: ``exp(-G)`` is ``inf`` in float32, so the
+textbook factorisation ``(q_i exp(G_i)) . (k_j exp(-G_j))`` gives ``0 * inf = NaN``. Every
+exponent here is the decay over a span of tokens *in walking order*, never positive:
+
+* between chunks: ``q_i * exp(G_i)`` (from the chunk's start to ``i``) and
+  ``k_j * exp(Gamma - G_j)`` (from ``j`` to the chunk's end), both at most 1;
+* inside a chunk with a scalar gate: the ``C x C`` decay matrix ``exp(where(i >= j, G_i - G_j,
+  -inf))`` multiplies ``q k^T`` elementwise (masked entries are ``exp(-inf) = 0``, never
+  ``inf * 0``);
+* inside a chunk with a per-key gate the decay differs per column of K, so ``A`` is no longer a
+  plain product. The chunk is cut into sub-chunks of 16 tokens. For a pair of different
+  sub-chunks (queries in ``I``, keys in an earlier ``J``) take ``b``, the boundary just before
+  ``I``: ``exp(G_i - G_j) = exp(G_i - G_b) * exp(G_b - G_j)`` with ``j <= b < i``, both factors
+  at most 1, so ``A_IJ = (q_I exp(G_I - G_b)) (k_J exp(G_b - G_J))^T`` is a matrix product
+  again. On the diagonal sub-chunks (``i`` and ``j`` in the same 16 tokens) there is no such
+  ``b``: the ``16 x 16 x BK`` terms are computed elementwise, ``exp(where(i >= j, G_i - G_j,
+  -inf))``.
+
+**Accuracy.** ``G_i - G_j`` written as a difference of two cumulative sums carries the rounding
+error of ``|G|`` (a thousand, for strong decays) into an exponent that may be near 0: measured,
+that lost two orders of magnitude (2e-6 against the 8e-8 of the token-by-token walk, log-gates to
+-15 per token, C = 64). So the kernels take the per-token log-decays ``a`` themselves and form each
+exponent as a *direct* sum over exactly the tokens it spans: ``tl.cumsum`` of the chunk's rows
+from its start, a reverse ``tl.cumsum`` of the rows shifted by one for the span to its end, sums
+of whole sub-chunks for the spans between two sub-chunks, and, on the diagonal blocks, a
+cumulative sum over ``i`` of ``a_s [s > j]`` for every pair. With ``a <= 0`` such sums never
+cancel. Rows outside the sequence (a short chunk) read ``a = 0``: no decay, so the sums cover
+exactly the tokens inside it.
+
+**Backward.** Write ``D`` for the gradient reaching ``H_next`` (one walk over the chunks in the
+other direction carries it: ``D_prev = exp(Gamma) * D + (scale q exp(G))^T do``). With
+``dA_ij = do_i . v_j``::
+
+    dq_i = scale * (exp(G_i) * (do_i H^T) + sum_{j <= i} dA_ij k_j exp(G_i - G_j))
+    dk_j = exp(Gamma - G_j) * (v_j D^T) + sum_{i >= j} dA_ij scale q_i exp(G_i - G_j)
+    dv_j = sum_{i >= j} A_ij do_i + (k_j exp(Gamma - G_j)) D
+
+The gates reach the loss only through ``G``. ``G_i`` appears with a plus sign where token ``i``
+is a query and with a minus sign where it is a key, and ``Gamma`` (the last row's ``G``) in the
+state update, so::
+
+    dG_i = scale q_i * dq~_i - k_i * dk~_i   (+ at the chunk's last row: sum_V D * P)
+
+Written with the full ``dq`` and ``dk`` this cancels catastrophically for strong decays: both
+contain the diagonal term ``dA_ii q_i k_i`` (exponent 0), whose contributions cancel exactly, and
+what is left can be smaller by ``exp(-40)``. So ``dq~`` and ``dk~`` leave out every term whose
+``G`` dependence cancels: the diagonal ``j = i`` of ``A`` and, at the chunk's last token, its own
+``k^T v`` in the state update; ``P`` is the state just before that last token's ``k^T v``
+(``exp(Gamma) H + sum_{j < last} (k_j exp(Gamma - G_j))^T v_j``). What is summed then is only
+terms that genuinely depend on the gates. ``a``'s gradient is the transpose of the cumulative
+sum, the suffix sums of ``dG`` within each chunk (``chunk_local_cumsum`` the other way); JAX
+differentiates the sums that fold ``g``, ``g_gamma`` and ``gk`` into ``a``.
+
+**Layouts.** Chunks are counted from each sequence's first token. ``reverse=True`` walks each
+sequence from its last token: the kernels visit a chunk's rows in walking order (row ``r`` of
+memory chunk ``m`` is token ``start + (m + 1) C - 1 - r``), and visit the chunks last to first,
+so every formula above holds as written, in walking order. Grouped heads: key/value head ``j``
+serves query heads ``j G ... (j + 1) G - 1``; each query head has its own state and gates; the
+key/value gradients are computed per query head and summed over the group.
+
+Kernels (``BT`` = chunk size, ``N`` sequences, ``NT`` chunk slots per batch row):
+
+==================  =====================  ===================================================
+kernel              grid                   computes
+==================  =====================  ===================================================
+_states_kernel      (V/BV, K/BK, N * H)    walks the chunks: H at every chunk's start, final
+                                           state (forward; again in the backward)
+_attention_kernel   (BT/BC, NT, B * H)     A, the masked intra-chunk attention [BT, BT]
+_output_kernel      (V/BV, NT, B * H)      o = scale (q exp(G)) H + A v
+_state_grads_kernel (V/BV, K/BK, N * H)    walks the chunks backwards: D for every chunk,
+                                           d initial_state
+_dA_kernel          (NT, B * H)            dA = do v^T (masked); the scalar gate's intra dG
+_intra_grads_kernel (K/BK * BT/BC, NT, BH) per-key gates only: dq, dk, dG inside the chunk
+_dv_kernel          (V/BV, NT, B * H)      dv = A^T do + (k exp(Gamma - G)) D
+_inter_grads_kernel (K/BK, NT, B * H)      dq, dk, dG: the state terms, plus the intra-chunk
+                                           ones (computed here for scalar gates)
+==================  =====================  ===================================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import triton
+import triton.language as tl
+from jax import Array
+
+from ejk_lite.checks import static_int
+from ejk_lite.cumsum import chunk_local_cumsum
+from ejk_lite.launch import triton_call, vmap_by_folding
+from ejk_lite.packing import cdiv, prepare_chunk_indices, prepare_chunk_offsets, sanitize_cu_seqlens
+
+# recurrent's argument checks and its plain-JAX reference: one import, so that moving them is a
+# one-line change.
+from ejk_lite.linear_attention import _scale, _validate, reference
+
+__all__ = ["chunked_recurrent", "ChunkedConfig", "KernelConfig", "reference"]
+
+_TRITON_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
+_MAX_GRID_YZ = 65535  # CUDA's limit on the grid's 2nd and 3rd axes
+
+
+# ----------------------------------------------------------------------------------------------
+# Configuration.
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Tiles and launch settings of one kernel. ``block_k`` / ``block_v`` are the K / V tile
+    widths (powers of two >= 16, the smallest ``tl.dot`` operand side; cut down to the next power
+    of two of K / V at launch). A kernel that does not tile an axis ignores its width."""
+
+    block_k: int = 64
+    block_v: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+                raise ValueError(f"KernelConfig.{field.name} must be an int, got {value!r}")
+            object.__setattr__(self, field.name, int(value))
+        for name in ("block_k", "block_v"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"KernelConfig.{name} must be a power of two >= 16, got {value}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"KernelConfig.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
+        if self.num_stages < 1:
+            raise ValueError(f"KernelConfig.num_stages must be >= 1, got {self.num_stages}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkedConfig:
+    """One :class:`KernelConfig` per kernel (see the module docstring), the sub-chunk size of the
+    per-key-gate intra-chunk kernels, and how a float32 ``tl.dot`` multiplies.
+
+    ``float32_dot`` (Triton's ``input_precision`` for float32 operands): ``"tf32x3"``, three TF32
+    tensor-core products that keep float32 accuracy, or ``"ieee"``, plain FMAs. Products of
+    16-bit inputs use the tensor cores in their own dtype with float32 accumulation; the
+    per-key-gate intra-chunk products, whose operands are decayed in float32, use TF32 then.
+    """
+
+    states: KernelConfig = KernelConfig()
+    attention: KernelConfig = KernelConfig(block_k=32)
+    output: KernelConfig = KernelConfig()
+    state_grads: KernelConfig = KernelConfig()
+    dA: KernelConfig = KernelConfig()
+    intra_grads: KernelConfig = KernelConfig(block_k=32)
+    dv: KernelConfig = KernelConfig()
+    inter_grads: KernelConfig = KernelConfig()
+    sub_chunk: int = 16
+    float32_dot: str = "tf32x3"
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            if field.type in (KernelConfig, "KernelConfig"):
+                value = getattr(self, field.name)
+                if not isinstance(value, KernelConfig):
+                    raise ValueError(f"ChunkedConfig.{field.name} must be a KernelConfig, got {value!r}")
+        sub = self.sub_chunk
+        if isinstance(sub, (bool, np.bool_)) or not isinstance(sub, (int, np.integer)) or sub not in (16, 32, 64):
+            raise ValueError(f"ChunkedConfig.sub_chunk must be 16, 32 or 64, got {sub!r}")
+        object.__setattr__(self, "sub_chunk", int(sub))
+        if self.float32_dot not in ("tf32x3", "ieee"):
+            raise ValueError(f"ChunkedConfig.float32_dot must be 'tf32x3' or 'ieee', got {self.float32_dot!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """Everything static about one call (hashable: a jit static argument)."""
+
+    scale: float
+    chunk_size: int
+    reverse: bool
+    config: ChunkedConfig
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers shared by the kernels: which tokens a program owns, and the decays between them.
+#
+# The kernels take the per-token log-decays a (not their cumulative sums) and form every exponent
+# as a *direct* sum of a over exactly the tokens it spans: a prefix sum from the chunk's start, a
+# suffix sum to its end, or the sum between two tokens. With a <= 0 such sums never cancel, so
+# each is accurate to a few float32 roundings of its own size. A difference of two cumulative
+# sums, G_i - G_j, would carry the rounding error of |G| ~ C * |a| (a thousand, for strong
+# decays) into an exponent that may be near 0: measured, that cost two orders of magnitude of
+# accuracy (2e-6 against the 8e-8 of the token-by-token walk) at log-gates of -15 per token.
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _chunk_of_program(cu_seqlens, chunk_indices, i_t, T, num_seqs, IS_VARLEN: tl.constexpr):
+    """(chunk within its sequence, sequence start, sequence end) of chunk slot ``i_t``, tokens
+    counted within the batch row. Without packing, a row is one sequence and slot ``i_t`` is its
+    chunk ``i_t``. With packing, ``chunk_indices`` lists (sequence, chunk) per slot; spare slots
+    (-1, -1) get an empty sequence. Every index read from memory is clamped: whatever the
+    arrays hold, ``0 <= start <= end <= T``."""
+    if IS_VARLEN:
+        i_s = tl.load(chunk_indices + 2 * i_t)
+        i_c = tl.load(chunk_indices + 2 * i_t + 1)
+        live = (i_s >= 0) & (i_c >= 0)
+        i_s = tl.minimum(tl.maximum(i_s, 0), num_seqs - 1)
+        i_c = tl.maximum(i_c, 0)
+        start = tl.minimum(tl.maximum(tl.load(cu_seqlens + i_s), 0), T)
+        end = tl.minimum(tl.maximum(tl.load(cu_seqlens + i_s + 1), start), T)
+        end = tl.where(live, end, start)
+    else:
+        i_c = i_t
+        start = 0
+        end = T
+    return i_c, start, end
+
+
+@triton.jit
+def _sequence_of_program(cu_seqlens, chunk_offsets, i_n, T, NT_SLOTS, num_seqs, IS_VARLEN: tl.constexpr):
+    """(batch row, start, end, first chunk slot) of sequence ``i_n`` (of ``B * num_seqs``)."""
+    if IS_VARLEN:
+        i_b = i_n // num_seqs
+        i_s = i_n % num_seqs
+        start = tl.minimum(tl.maximum(tl.load(cu_seqlens + i_s), 0), T)
+        end = tl.minimum(tl.maximum(tl.load(cu_seqlens + i_s + 1), start), T)
+        first = tl.minimum(tl.maximum(tl.load(chunk_offsets + i_s), 0), NT_SLOTS)
+    else:
+        i_b = i_n
+        start = 0
+        end = T
+        first = 0
+    return i_b, start, end, first
+
+
+@triton.jit
+def _rows(r, i_c, start, end, row_base, BT: tl.constexpr, REVERSE: tl.constexpr):
+    """Tokens (flat, int64) of walking rows ``r`` of chunk ``i_c``, and which lie in the chunk.
+
+    Chunks are counted from the sequence's start. Forwards, row r is token start + i_c BT + r;
+    walking in reverse, the chunk's rows are visited last token first. A short chunk is short at
+    its walking end (forwards) or walking start (reverse). Rows outside ``[0, BT)`` are outside."""
+    if REVERSE:
+        pos = start + (i_c + 1) * BT - 1 - r
+    else:
+        pos = start + i_c * BT + r
+    valid = (pos >= start) & (pos < end) & (r >= 0) & (r < BT)
+    return row_base + pos, valid
+
+
+@triton.jit
+def _last_row(i_c, start, end, BT: tl.constexpr, REVERSE: tl.constexpr):
+    """The walking row the walk leaves the chunk from."""
+    if REVERSE:
+        return BT - 1
+    return tl.minimum(end - start - i_c * BT, BT) - 1
+
+
+@triton.jit
+def _load_gates(a, tok, valid, i_h, offs_k, mask_k, H: tl.constexpr, K: tl.constexpr, USE_GK: tl.constexpr):
+    """Log-decays of rows ``tok`` (fp32), 0 outside the sequence (no decay: the sums below then
+    cover exactly the tokens inside). ``[rows, BK]`` for a per-key gate; ``[rows, 1]`` for a
+    scalar one, which broadcasts against the K axis the same way."""
+    if USE_GK:
+        return tl.load(a + (tok[:, None] * H + i_h) * K + offs_k[None, :],
+                       mask=valid[:, None] & mask_k[None, :], other=0.0)
+    return tl.load(a + (tok[:, None] * H + i_h), mask=valid[:, None], other=0.0)
+
+
+@triton.jit
+def _chunk_decays(a, r, i_c, start, end, row_base, i_h, offs_k, mask_k, H: tl.constexpr, K: tl.constexpr,
+                  BT: tl.constexpr, USE_GK: tl.constexpr, REVERSE: tl.constexpr):
+    """For the chunk's rows ``r = 0 .. BT - 1``: the log-decay from the chunk's start to each row
+    (inclusive: ``G_i``), from each row to the chunk's end (exclusive: ``Gamma - G_j``), and over the
+    whole chunk (``Gamma``), each a direct sum. The exclusive suffix is the reverse cumulative sum
+    of the rows shifted by one, not ``Gamma - G_j``."""
+    tok, valid = _rows(r, i_c, start, end, row_base, BT, REVERSE)
+    b_a = _load_gates(a, tok, valid, i_h, offs_k, mask_k, H, K, USE_GK)
+    tok1, valid1 = _rows(r + 1, i_c, start, end, row_base, BT, REVERSE)
+    b_a1 = _load_gates(a, tok1, valid1, i_h, offs_k, mask_k, H, K, USE_GK)
+    return tl.cumsum(b_a, axis=0), tl.cumsum(b_a1, axis=0, reverse=True), tl.sum(b_a, axis=0)
+
+
+@triton.jit
+def _span_decay(a, lo, hi, i_c, start, end, row_base, i_h, offs_k, mask_k, H: tl.constexpr, K: tl.constexpr,
+                BT: tl.constexpr, USE_GK: tl.constexpr, REVERSE: tl.constexpr):
+    """The summed log-decay of walking rows ``lo <= r < hi`` of the chunk (the sub-chunks between
+    two others), a ``[BK]`` vector."""
+    r = tl.arange(0, BT)
+    tok, valid = _rows(r, i_c, start, end, row_base, BT, REVERSE)
+    valid = valid & (r >= lo) & (r < hi)
+    return tl.sum(_load_gates(a, tok, valid, i_h, offs_k, mask_k, H, K, USE_GK), axis=0)
+
+
+@triton.jit
+def _sub_chunk_decays(a, i_cj, i_c, start, end, row_base, i_h, offs_k, mask_k, H: tl.constexpr,
+                      K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, REVERSE: tl.constexpr):
+    """Rows of sub-chunk J: tokens, validity, log-decays ``[BC, BK]``, and the log-decay from the
+    sub-chunk's start to each row (inclusive) and from each row to its end (exclusive)."""
+    c = tl.arange(0, BC)
+    tok, valid = _rows(i_cj * BC + c, i_c, start, end, row_base, BT, REVERSE)
+    b_a = _load_gates(a, tok, valid, i_h, offs_k, mask_k, H, K, True)
+    tok1, valid1 = _rows(i_cj * BC + c + 1, i_c, start, end, row_base, BT, REVERSE)
+    b_a1 = _load_gates(a, tok1, valid1 & (c + 1 < BC), i_h, offs_k, mask_k, H, K, True)
+    return tok, valid, b_a, tl.cumsum(b_a, axis=0), tl.cumsum(b_a1, axis=0, reverse=True)
+
+
+@triton.jit
+def _diagonal_decay(b_a, STRICT: tl.constexpr):
+    """``exp(sum of a over (j, i])`` for rows i, j of one block, ``[rows, rows, BK]``, and 0
+    where ``j > i`` (or ``j >= i`` if ``STRICT``). Each sum is a cumulative sum along i of the
+    rows after j (``X[s, j] = a_s [s > j]``): direct, never a difference; the masked entries are
+    ``exp(-inf) = 0``, never ``inf * 0``."""
+    c = tl.arange(0, b_a.shape[0])
+    after = c[:, None] > c[None, :]
+    span = tl.cumsum(tl.where(after[:, :, None], b_a[:, None, :], 0.0), axis=0)
+    if STRICT:
+        keep = after
+    else:
+        keep = c[:, None] >= c[None, :]
+    return tl.exp(tl.where(keep[:, :, None], span, float("-inf")))
+
+
+@triton.jit
+def _decay_matrix(b_a, STRICT: tl.constexpr):
+    """The scalar gate's ``[rows, rows]`` decay matrix, as :func:`_diagonal_decay`."""
+    c = tl.arange(0, b_a.shape[0])
+    after = c[:, None] > c[None, :]
+    span = tl.cumsum(tl.where(after, b_a[:, None], 0.0), axis=0)
+    if STRICT:
+        keep = after
+    else:
+        keep = c[:, None] >= c[None, :]
+    return tl.exp(tl.where(keep, span, float("-inf")))
+
+
+@triton.jit
+def _load_rows(ptr, tok, valid, cols, mask_cols, STRIDE: tl.constexpr):
+    """A ``[rows, cols]`` tile of a ``[tokens, STRIDE]`` view (head offset already in ``ptr``);
+    rows outside the sequence read as 0."""
+    return tl.load(ptr + tok[:, None] * STRIDE + cols[None, :], mask=valid[:, None] & mask_cols[None, :],
+                   other=0.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward kernels.
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _states_kernel(
+    k, v, a, h0, cu_seqlens, chunk_offsets, T, NT_SLOTS, num_seqs,
+    states, ht,  # outputs: the state at every chunk's start [B * NT_SLOTS, H, K, V]; final [N, H, K, V]
+    H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_G: tl.constexpr, USE_GK: tl.constexpr, HAS_H0: tl.constexpr,
+    REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr, F32_DOT: tl.constexpr,
+):
+    # One program: a [BK, BV] tile of one query head's state, carried in fp32 through the chunks
+    # of one sequence. Each step is one [BK, BT] x [BT, BV] product.
+    i_v, i_k, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_n, i_h = i_nh // H, i_nh % H
+    i_kv = i_h // (H // H_KV)
+    i_b, start, end, first = _sequence_of_program(cu_seqlens, chunk_offsets, i_n, T, NT_SLOTS, num_seqs,
+                                                  IS_VARLEN)
+    row_base = i_b.to(tl.int64) * T
+    num_chunks = tl.cdiv(end - start, BT)
+
+    r = tl.arange(0, BT)
+    offs_k = i_k * BK + tl.arange(0, BK)
+    offs_v = i_v * BV + tl.arange(0, BV)
+    mask_k, mask_v = offs_k < K, offs_v < V
+    mask_h = mask_k[:, None] & mask_v[None, :]
+    state_tile = offs_k[:, None] * V + offs_v[None, :]
+
+    h = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_H0:
+        h += tl.load(h0 + (i_n.to(tl.int64) * H + i_h) * K * V + state_tile, mask=mask_h, other=0.0)
+    for i in range(0, num_chunks):
+        i_c = num_chunks - 1 - i if REVERSE else i
+        slot = i_b.to(tl.int64) * NT_SLOTS + tl.minimum(first + i_c, NT_SLOTS - 1)
+        tl.store(states + (slot * H + i_h) * K * V + state_tile, h.to(states.dtype.element_ty), mask=mask_h)
+
+        tok, valid = _rows(r, i_c, start, end, row_base, BT, REVERSE)
+        b_k = _load_rows(k + i_kv * K, tok, valid, offs_k, mask_k, H_KV * K)
+        b_v = _load_rows(v + i_kv * V, tok, valid, offs_v, mask_v, H_KV * V)
+        if USE_G:
+            _, to_end, total = _chunk_decays(a, r, i_c, start, end, row_base, i_h, offs_k, mask_k, H, K, BT,
+                                             USE_GK, REVERSE)
+            # k_j exp(Gamma - G_j): the decay from token j to the chunk's end, <= 1.
+            b_k = (b_k * tl.exp(to_end)).to(k.dtype.element_ty)
+            h = h * tl.exp(total)[:, None]
+        h += tl.dot(tl.trans(b_k), b_v, input_precision=F32_DOT)
+
+    tl.store(ht + (i_n.to(tl.int64) * H + i_h) * K * V + state_tile, h, mask=mask_h)
+
+
+@triton.jit
+def _attention_kernel(
+    q, k, a, cu_seqlens, chunk_indices, T, num_seqs,
+    A,  # output [B * T, H, BT] fp32: row = token, column = walking index of the key in its chunk
+    H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, SCALE: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+    USE_G: tl.constexpr, USE_GK: tl.constexpr, REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr,
+    F32_DOT: tl.constexpr,
+):
+    # One program: the rows of one sub-chunk I (BC queries) against every key of the chunk. With
+    # a scalar gate (or none) BC = BT: one program per chunk, one [BT, BK] x [BK, BT] product per
+    # K tile and the decay matrix applied after.
+    i_ci, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    i_kv = i_h // (H // H_KV)
+    i_c, start, end = _chunk_of_program(cu_seqlens, chunk_indices, i_t, T, num_seqs, IS_VARLEN)
+    if start + i_c * BT >= end:
+        return
+    row_base = i_b.to(tl.int64) * T
+    NC: tl.constexpr = BT // BC
+    c = tl.arange(0, BC)
+    tok_i, valid_i = _rows(i_ci * BC + c, i_c, start, end, row_base, BT, REVERSE)
+    a_rows = A + (tok_i[:, None] * H + i_h) * BT
+    store_mask = valid_i[:, None]
+
+    b_a = tl.zeros([BC, BC], dtype=tl.float32)
+    if USE_GK:
+        # Earlier sub-chunks J < I. With b the boundary between I and the sub-chunk before it,
+        # exp(G_i - G_j) = exp(G_i - G_b) exp(G_b - G_j): the decay from I's start to i, and from
+        # j to I's start (the rest of J, then the sub-chunks in between); both factors <= 1.
+        for i_cj in range(0, i_ci):
+            b_a = tl.zeros([BC, BC], dtype=tl.float32)
+            for i_k in range(0, tl.cdiv(K, BK)):
+                offs_k = i_k * BK + tl.arange(0, BK)
+                mask_k = offs_k < K
+                _, _, _, from_start_i, _ = _sub_chunk_decays(a, i_ci, i_c, start, end, row_base, i_h, offs_k,
+                                                             mask_k, H, K, BT, BC, REVERSE)
+                tok_j, valid_j, _, _, to_end_j = _sub_chunk_decays(a, i_cj, i_c, start, end, row_base, i_h,
+                                                                   offs_k, mask_k, H, K, BT, BC, REVERSE)
+                between = _span_decay(a, (i_cj + 1) * BC, i_ci * BC, i_c, start, end, row_base, i_h, offs_k,
+                                      mask_k, H, K, BT, True, REVERSE)
+                b_q = _load_rows(q + i_h * K, tok_i, valid_i, offs_k, mask_k, H * K).to(tl.float32)
+                b_k = _load_rows(k + i_kv * K, tok_j, valid_j, offs_k, mask_k, H_KV * K).to(tl.float32)
+                b_qg = b_q * tl.exp(from_start_i)
+                b_kg = b_k * tl.exp(to_end_j + between[None, :])
+                b_a += tl.dot(b_qg, tl.trans(b_kg), input_precision=F32_DOT)
+            tl.store(a_rows + i_cj * BC + c[None, :], b_a * SCALE, mask=store_mask)
+
+        # The diagonal sub-chunk, elementwise per column of K: exp(sum of a over (j, i]).
+        b_a = tl.zeros([BC, BC], dtype=tl.float32)
+        for i_k in range(0, tl.cdiv(K, BK)):
+            offs_k = i_k * BK + tl.arange(0, BK)
+            mask_k = offs_k < K
+            _, _, b_g, _, _ = _sub_chunk_decays(a, i_ci, i_c, start, end, row_base, i_h, offs_k, mask_k, H, K,
+                                                BT, BC, REVERSE)
+            b_q = _load_rows(q + i_h * K, tok_i, valid_i, offs_k, mask_k, H * K).to(tl.float32)
+            b_k = _load_rows(k + i_kv * K, tok_i, valid_i, offs_k, mask_k, H_KV * K).to(tl.float32)
+            b_a += tl.sum(b_q[:, None, :] * b_k[None, :, :] * _diagonal_decay(b_g, False), axis=2)
+    else:
+        for i_k in range(0, tl.cdiv(K, BK)):
+            offs_k = i_k * BK + tl.arange(0, BK)
+            mask_k = offs_k < K
+            b_q = _load_rows(q + i_h * K, tok_i, valid_i, offs_k, mask_k, H * K)
+            b_k = _load_rows(k + i_kv * K, tok_i, valid_i, offs_k, mask_k, H_KV * K)
+            b_a += tl.dot(b_q, tl.trans(b_k.to(b_q.dtype)), input_precision=F32_DOT)
+        if USE_G:
+            b_g = tl.load(a + tok_i * H + i_h, mask=valid_i, other=0.0)
+            b_a *= _decay_matrix(b_g, False)
+        else:
+            b_a = tl.where(c[:, None] >= c[None, :], b_a, 0.0)
+    tl.store(a_rows + i_ci * BC + c[None, :], b_a * SCALE, mask=store_mask)
+
+    # Later sub-chunks: zero (A is lower-triangular in walking order).
+    for i_cj in range(i_ci + 1, NC):
+        tl.store(a_rows + i_cj * BC + c[None, :], tl.zeros([BC, BC], dtype=tl.float32), mask=store_mask)
+
+
+@triton.jit
+def _output_kernel(
+    q, v, a, states, A, cu_seqlens, chunk_indices, T, NT_SLOTS, num_seqs,
+    o,  # output [B * T, H, V] in the query's dtype
+    H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, SCALE: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_G: tl.constexpr, USE_GK: tl.constexpr, REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr,
+    F32_DOT: tl.constexpr,
+):
+    # One program: a [BT, BV] tile of the output of one chunk: o = scale (q exp(G)) H + A v.
+    i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    i_kv = i_h // (H // H_KV)
+    i_c, start, end = _chunk_of_program(cu_seqlens, chunk_indices, i_t, T, num_seqs, IS_VARLEN)
+    if start + i_c * BT >= end:
+        return
+    row_base = i_b.to(tl.int64) * T
+    r = tl.arange(0, BT)
+    tok, valid = _rows(r, i_c, start, end, row_base, BT, REVERSE)
+    offs_v = i_v * BV + tl.arange(0, BV)
+    mask_v = offs_v < V
+    slot = i_b.to(tl.int64) * NT_SLOTS + i_t
+    h_base = states + (slot * H + i_h) * K * V
+
+    b_o = tl.zeros([BT, BV], dtype=tl.float32)
+    for i_k in range(0, tl.cdiv(K, BK)):
+        offs_k = i_k * BK + tl.arange(0, BK)
+        mask_k = offs_k < K
+        b_q = _load_rows(q + i_h * K, tok, valid, offs_k, mask_k, H * K)
+        if USE_G:
+            from_start, _, _ = _chunk_decays(a, r, i_c, start, end, row_base, i_h, offs_k, mask_k, H, K, BT,
+                                             USE_GK, REVERSE)
+            b_q = (b_q * tl.exp(from_start)).to(q.dtype.element_ty)  # decay from the chunk's start, <= 1
+        b_h = tl.load(h_base + offs_k[:, None] * V + offs_v[None, :], mask=mask_k[:, None] & mask_v[None, :],
+                      other=0.0)
+        b_o += tl.dot(b_q, b_h.to(b_q.dtype), input_precision=F32_DOT)
+    b_o *= SCALE
+    b_a = _load_rows(A + i_h * BT, tok, valid, r, r < BT, H * BT)
+    b_v = _load_rows(v + i_kv * V, tok, valid, offs_v, mask_v, H_KV * V)
+    b_o += tl.dot(b_a.to(b_v.dtype), b_v, input_precision=F32_DOT)
+    tl.store(o + (tok[:, None] * H + i_h) * V + offs_v[None, :], b_o.to(o.dtype.element_ty),
+             mask=valid[:, None] & mask_v[None, :])
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward kernels.
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _state_grads_kernel(
+    q, do, a, dht, cu_seqlens, chunk_offsets, T, NT_SLOTS, num_seqs,
+    dstates, dh0,  # outputs: D (gradient of the state after each chunk); d initial_state
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, SCALE: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_G: tl.constexpr, USE_GK: tl.constexpr, HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr,
+    REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr, F32_DOT: tl.constexpr,
+):
+    # The walk of _states_kernel run backwards: dH = exp(Gamma) dH + (scale q exp(G))^T do.
+    i_v, i_k, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_n, i_h = i_nh // H, i_nh % H
+    i_b, start, end, first = _sequence_of_program(cu_seqlens, chunk_offsets, i_n, T, NT_SLOTS, num_seqs,
+                                                  IS_VARLEN)
+    row_base = i_b.to(tl.int64) * T
+    num_chunks = tl.cdiv(end - start, BT)
+
+    r = tl.arange(0, BT)
+    offs_k = i_k * BK + tl.arange(0, BK)
+    offs_v = i_v * BV + tl.arange(0, BV)
+    mask_k, mask_v = offs_k < K, offs_v < V
+    mask_h = mask_k[:, None] & mask_v[None, :]
+    state_tile = offs_k[:, None] * V + offs_v[None, :]
+
+    dh = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_DHT:
+        dh += tl.load(dht + (i_n.to(tl.int64) * H + i_h) * K * V + state_tile, mask=mask_h, other=0.0)
+    for i in range(0, num_chunks):
+        i_c = i if REVERSE else num_chunks - 1 - i
+        slot = i_b.to(tl.int64) * NT_SLOTS + tl.minimum(first + i_c, NT_SLOTS - 1)
+        tl.store(dstates + (slot * H + i_h) * K * V + state_tile, dh.to(dstates.dtype.element_ty), mask=mask_h)
+
+        tok, valid = _rows(r, i_c, start, end, row_base, BT, REVERSE)
+        b_q = _load_rows(q + i_h * K, tok, valid, offs_k, mask_k, H * K)
+        b_do = _load_rows(do + i_h * V, tok, valid, offs_v, mask_v, H * V)
+        if USE_G:
+            from_start, _, total = _chunk_decays(a, r, i_c, start, end, row_base, i_h, offs_k, mask_k, H, K, BT,
+                                                 USE_GK, REVERSE)
+            b_q = (b_q * tl.exp(from_start)).to(q.dtype.element_ty)
+            dh = dh * tl.exp(total)[:, None]
+        dh += SCALE * tl.dot(tl.trans(b_q), b_do.to(b_q.dtype), input_precision=F32_DOT)
+
+    if HAS_H0:
+        tl.store(dh0 + (i_n.to(tl.int64) * H + i_h) * K * V + state_tile, dh, mask=mask_h)
+
+
+@triton.jit
+def _dA_kernel(
+    v, do, A, cu_seqlens, chunk_indices, T, num_seqs,
+    dA, dg_intra,  # outputs: dA [B * T, H, BT] fp32; the scalar gate's intra-chunk dG [B * T, H]
+    H: tl.constexpr, H_KV: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BV: tl.constexpr,
+    SCALAR_GATE: tl.constexpr, REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr, F32_DOT: tl.constexpr,
+):
+    # dA_ij = do_i . v_j for j <= i (walking order), summed over V tiles.
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    i_kv = i_h // (H // H_KV)
+    i_c, start, end = _chunk_of_program(cu_seqlens, chunk_indices, i_t, T, num_seqs, IS_VARLEN)
+    if start + i_c * BT >= end:
+        return
+    row_base = i_b.to(tl.int64) * T
+    r = tl.arange(0, BT)
+    tok, valid = _rows(r, i_c, start, end, row_base, BT, REVERSE)
+
+    b_da = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_v in range(0, tl.cdiv(V, BV)):
+        offs_v = i_v * BV + tl.arange(0, BV)
+        mask_v = offs_v < V
+        b_do = _load_rows(do + i_h * V, tok, valid, offs_v, mask_v, H * V)
+        b_v = _load_rows(v + i_kv * V, tok, valid, offs_v, mask_v, H_KV * V)
+        b_da += tl.dot(b_do, tl.trans(b_v.to(b_do.dtype)), input_precision=F32_DOT)
+    b_da = tl.where(r[:, None] >= r[None, :], b_da, 0.0)
+    tl.store(dA + (tok[:, None] * H + i_h) * BT + r[None, :], b_da, mask=valid[:, None])
+    if SCALAR_GATE:
+        # A_ij depends on G_i - G_j only: dG_i gets +dA_ij A_ij as a query and -dA_ji A_ji as a key.
+        # The diagonal (exponent 0) cancels exactly and is left out.
+        b_a = _load_rows(A + i_h * BT, tok, valid, r, r < BT, H * BT)
+        m = tl.where(r[:, None] > r[None, :], b_da * b_a, 0.0)
+        tl.store(dg_intra + tok * H + i_h, tl.sum(m, axis=1) - tl.sum(m, axis=0), mask=valid)
+
+
+@triton.jit
+def _intra_grads_kernel(
+    q, k, a, dA, cu_seqlens, chunk_indices, T, num_seqs,
+    dq, dk, dg,  # outputs [B * T, H, K] fp32: intra-chunk dq~ (w.r.t. scale q), dk, dG
+    H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, SCALE: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+    REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr, F32_DOT: tl.constexpr,
+):
+    # Per-key gates only. One program: sub-chunk I's rows, one K tile. As queries they see keys
+    # in sub-chunks J <= I; as keys they are seen by queries in sub-chunks J >= I.
+    i_kc, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    NC: tl.constexpr = BT // BC
+    i_k, i_ci = i_kc // NC, i_kc % NC
+    i_b, i_h = i_bh // H, i_bh % H
+    i_kv = i_h // (H // H_KV)
+    i_c, start, end = _chunk_of_program(cu_seqlens, chunk_indices, i_t, T, num_seqs, IS_VARLEN)
+    if start + i_c * BT >= end:
+        return
+    row_base = i_b.to(tl.int64) * T
+    c = tl.arange(0, BC)
+    offs_k = i_k * BK + tl.arange(0, BK)
+    mask_k = offs_k < K
+    tok_i, valid_i, b_g, from_start_i, to_end_i = _sub_chunk_decays(a, i_ci, i_c, start, end, row_base, i_h,
+                                                                    offs_k, mask_k, H, K, BT, BC, REVERSE)
+    b_q = _load_rows(q + i_h * K, tok_i, valid_i, offs_k, mask_k, H * K).to(tl.float32) * SCALE
+    b_k = _load_rows(k + i_kv * K, tok_i, valid_i, offs_k, mask_k, H_KV * K).to(tl.float32)
+    da_rows = dA + (tok_i[:, None] * H + i_h) * BT
+
+    # As queries: keys in earlier sub-chunks, through the boundary at I's start (see
+    # _attention_kernel): dq~_i = exp(G_i - G_b) sum_J dA_iJ (k_J exp(G_b - G_J)).
+    b_dq = tl.zeros([BC, BK], dtype=tl.float32)
+    for i_cj in range(0, i_ci):
+        tok_j, valid_j, _, _, to_end_j = _sub_chunk_decays(a, i_cj, i_c, start, end, row_base, i_h, offs_k,
+                                                           mask_k, H, K, BT, BC, REVERSE)
+        between = _span_decay(a, (i_cj + 1) * BC, i_ci * BC, i_c, start, end, row_base, i_h, offs_k, mask_k,
+                              H, K, BT, True, REVERSE)
+        b_kj = _load_rows(k + i_kv * K, tok_j, valid_j, offs_k, mask_k, H_KV * K).to(tl.float32)
+        b_da = tl.load(da_rows + i_cj * BC + c[None, :], mask=valid_i[:, None], other=0.0)
+        b_dq += tl.dot(b_da, b_kj * tl.exp(to_end_j + between[None, :]), input_precision=F32_DOT)
+    b_dq *= tl.exp(from_start_i)
+
+    # As keys: queries in later sub-chunks, through the boundary at I's end:
+    # dk_j = exp(G_e - G_j) sum_J dA_Jj^T (scale q_J exp(G_J - G_e)).
+    b_dk = tl.zeros([BC, BK], dtype=tl.float32)
+    for i_cj in range(i_ci + 1, NC):
+        tok_j, valid_j, _, from_start_j, _ = _sub_chunk_decays(a, i_cj, i_c, start, end, row_base, i_h, offs_k,
+                                                               mask_k, H, K, BT, BC, REVERSE)
+        between = _span_decay(a, (i_ci + 1) * BC, i_cj * BC, i_c, start, end, row_base, i_h, offs_k, mask_k,
+                              H, K, BT, True, REVERSE)
+        b_qj = _load_rows(q + i_h * K, tok_j, valid_j, offs_k, mask_k, H * K).to(tl.float32) * SCALE
+        # [BC (queries in J), BC (keys in I)]: the block of dA in rows J, columns I.
+        b_da = tl.load(dA + (tok_j[:, None] * H + i_h) * BT + i_ci * BC + c[None, :], mask=valid_j[:, None],
+                       other=0.0)
+        b_dk += tl.dot(tl.trans(b_da), b_qj * tl.exp(from_start_j + between[None, :]), input_precision=F32_DOT)
+    b_dk *= tl.exp(to_end_i)
+
+    # The diagonal sub-chunk, elementwise, strictly below the diagonal: [i, j, k] terms.
+    b_da = tl.load(da_rows + i_ci * BC + c[None, :], mask=valid_i[:, None], other=0.0)
+    decay = _diagonal_decay(b_g, True)
+    b_dq += tl.sum(b_da[:, :, None] * b_k[None, :, :] * decay, axis=1)
+    b_dk += tl.sum(b_da[:, :, None] * b_q[:, None, :] * decay, axis=0)
+
+    # dG from the terms that depend on the gates; then the diagonal dA_ii (exponent 0).
+    b_dg = b_q * b_dq - b_k * b_dk
+    diag = tl.sum(tl.where(c[:, None] == c[None, :], b_da, 0.0), axis=1)
+    b_dq += diag[:, None] * b_k
+    b_dk += diag[:, None] * b_q
+    out = (tok_i[:, None] * H + i_h) * K + offs_k[None, :]
+    out_mask = valid_i[:, None] & mask_k[None, :]
+    tl.store(dq + out, b_dq, mask=out_mask)
+    tl.store(dk + out, b_dk, mask=out_mask)
+    tl.store(dg + out, b_dg, mask=out_mask)
+
+
+@triton.jit
+def _dv_kernel(
+    k, a, do, A, dstates, cu_seqlens, chunk_indices, T, NT_SLOTS, num_seqs,
+    dv,  # output [B * T, H, V] fp32, per query head
+    H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_G: tl.constexpr, USE_GK: tl.constexpr, REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr,
+    F32_DOT: tl.constexpr,
+):
+    # dv = A^T do + (k exp(Gamma - G)) D.
+    i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    i_kv = i_h // (H // H_KV)
+    i_c, start, end = _chunk_of_program(cu_seqlens, chunk_indices, i_t, T, num_seqs, IS_VARLEN)
+    if start + i_c * BT >= end:
+        return
+    row_base = i_b.to(tl.int64) * T
+    r = tl.arange(0, BT)
+    tok, valid = _rows(r, i_c, start, end, row_base, BT, REVERSE)
+    offs_v = i_v * BV + tl.arange(0, BV)
+    mask_v = offs_v < V
+    slot = i_b.to(tl.int64) * NT_SLOTS + i_t
+    d_base = dstates + (slot * H + i_h) * K * V
+
+    b_do = _load_rows(do + i_h * V, tok, valid, offs_v, mask_v, H * V)
+    b_a = _load_rows(A + i_h * BT, tok, valid, r, r < BT, H * BT)
+    b_dv = tl.dot(tl.trans(b_a.to(b_do.dtype)), b_do, input_precision=F32_DOT)
+    for i_k in range(0, tl.cdiv(K, BK)):
+        offs_k = i_k * BK + tl.arange(0, BK)
+        mask_k = offs_k < K
+        b_k = _load_rows(k + i_kv * K, tok, valid, offs_k, mask_k, H_KV * K)
+        if USE_G:
+            _, to_end, _ = _chunk_decays(a, r, i_c, start, end, row_base, i_h, offs_k, mask_k, H, K, BT, USE_GK,
+                                         REVERSE)
+            b_k = (b_k * tl.exp(to_end)).to(k.dtype.element_ty)
+        b_d = tl.load(d_base + offs_k[:, None] * V + offs_v[None, :], mask=mask_k[:, None] & mask_v[None, :],
+                      other=0.0)
+        b_dv += tl.dot(b_k, b_d.to(b_k.dtype), input_precision=F32_DOT)
+    tl.store(dv + (tok[:, None] * H + i_h) * V + offs_v[None, :], b_dv, mask=valid[:, None] & mask_v[None, :])
+
+
+@triton.jit
+def _inter_grads_kernel(
+    q, k, v, a, do, states, dstates, dA, dq_intra, dk_intra, dg_intra,
+    cu_seqlens, chunk_indices, T, NT_SLOTS, num_seqs, total_tokens,
+    dq, dk, dg,  # outputs fp32: dq, dk [B * T, H, K] per query head; dG [B*T, H, K] or [NK, B*T, H]
+    H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, SCALE: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_G: tl.constexpr, USE_GK: tl.constexpr, REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr,
+    F32_DOT: tl.constexpr,
+):
+    # One program: one chunk, one K tile. The state terms (a loop over V tiles) and, for scalar
+    # gates or none, the intra-chunk ones; per-key gates bring theirs from _intra_grads_kernel.
+    i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    i_kv = i_h // (H // H_KV)
+    i_c, start, end = _chunk_of_program(cu_seqlens, chunk_indices, i_t, T, num_seqs, IS_VARLEN)
+    if start + i_c * BT >= end:
+        return
+    row_base = i_b.to(tl.int64) * T
+    r = tl.arange(0, BT)
+    tok, valid = _rows(r, i_c, start, end, row_base, BT, REVERSE)
+    offs_k = i_k * BK + tl.arange(0, BK)
+    mask_k = offs_k < K
+    slot = i_b.to(tl.int64) * NT_SLOTS + i_t
+    tile_base = (slot * H + i_h) * K * V
+
+    b_dq = tl.zeros([BT, BK], dtype=tl.float32)  # do H^T
+    b_dk = tl.zeros([BT, BK], dtype=tl.float32)  # v D^T
+    b_hd = tl.zeros([BK], dtype=tl.float32)      # sum_V H * D
+    for i_v in range(0, tl.cdiv(V, BV)):
+        offs_v = i_v * BV + tl.arange(0, BV)
+        mask_v = offs_v < V
+        b_do = _load_rows(do + i_h * V, tok, valid, offs_v, mask_v, H * V)
+        b_v = _load_rows(v + i_kv * V, tok, valid, offs_v, mask_v, H_KV * V)
+        mask_h = mask_k[:, None] & mask_v[None, :]
+        b_h = tl.load(states + tile_base + offs_k[:, None] * V + offs_v[None, :], mask=mask_h, other=0.0)
+        b_d = tl.load(dstates + tile_base + offs_k[:, None] * V + offs_v[None, :], mask=mask_h, other=0.0)
+        b_dq += tl.dot(b_do, tl.trans(b_h).to(b_do.dtype), input_precision=F32_DOT)
+        b_dk += tl.dot(b_v.to(b_do.dtype), tl.trans(b_d).to(b_do.dtype), input_precision=F32_DOT)
+        b_hd += tl.sum(b_h.to(tl.float32) * b_d.to(tl.float32), axis=1)
+
+    b_q = _load_rows(q + i_h * K, tok, valid, offs_k, mask_k, H * K).to(tl.float32) * SCALE
+    b_k = _load_rows(k + i_kv * K, tok, valid, offs_k, mask_k, H_KV * K).to(tl.float32)
+    if USE_G:
+        from_start, to_end, total = _chunk_decays(a, r, i_c, start, end, row_base, i_h, offs_k, mask_k, H, K,
+                                                  BT, USE_GK, REVERSE)
+        b_dq *= tl.exp(from_start)
+        b_dk *= tl.exp(to_end)
+        b_hd *= tl.exp(total)
+        # The state terms of dG. At the chunk's last row the k^T v term's exp(Gamma - G_last) = 1
+        # cancels exactly between "-k dk" and "sum_V D * H_next": leave it out of both.
+        is_last = r == _last_row(i_c, start, end, BT, REVERSE)
+        b_kdk = tl.where(is_last[:, None], 0.0, b_k * b_dk)
+        b_dg = b_q * b_dq - b_kdk
+        b_dg += tl.where(is_last[:, None], (b_hd + tl.sum(b_kdk, axis=0))[None, :], 0.0)
+
+    out = (tok[:, None] * H + i_h) * K + offs_k[None, :]
+    out_mask = valid[:, None] & mask_k[None, :]
+    if USE_GK:
+        b_dq += tl.load(dq_intra + out, mask=out_mask, other=0.0)
+        b_dk += tl.load(dk_intra + out, mask=out_mask, other=0.0)
+        b_dg += tl.load(dg_intra + out, mask=out_mask, other=0.0)
+        tl.store(dg + out, b_dg, mask=out_mask)
+    else:
+        # Intra-chunk terms over the whole chunk: dq~ = (dA * M) k, dk = (dA * M)^T (scale q), with
+        # M the decay matrix (scalar gate) or the causal mask (already applied to dA).
+        b_da = _load_rows(dA + i_h * BT, tok, valid, r, r < BT, H * BT)
+        if USE_G:
+            b_da *= _decay_matrix(tl.load(a + tok * H + i_h, mask=valid, other=0.0), False)
+            # This K tile's share of the scalar gate's state terms (summed over K tiles outside).
+            tl.store(dg + (i_k * total_tokens + tok) * H + i_h, tl.sum(b_dg, axis=1), mask=valid)
+        b_dq += tl.dot(b_da, b_k, input_precision=F32_DOT)
+        b_dk += tl.dot(tl.trans(b_da), b_q, input_precision=F32_DOT)
+    tl.store(dq + out, b_dq * SCALE, mask=out_mask)
+    tl.store(dk + out, b_dk, mask=out_mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers.
+# ----------------------------------------------------------------------------------------------
+
+
+def _or_stand_in(x: Array | None, dtype=jnp.float32) -> Array:
+    """Kernels take a pointer for every optional input; an absent one gets a 1-element stand-in."""
+    return jnp.zeros((1,), dtype) if x is None else x
+
+
+def _fit(config: KernelConfig, key_dim: int, value_dim: int) -> tuple[int, int]:
+    """(BK, BV): the configured tiles, no wider than K / V rounded up to a power of two (>= 16)."""
+    return (min(config.block_k, max(16, triton.next_power_of_2(key_dim))),
+            min(config.block_v, max(16, triton.next_power_of_2(value_dim))))
+
+
+def _check_grid(**sizes: int) -> None:
+    for name, size in sizes.items():
+        if size > _MAX_GRID_YZ:
+            raise ValueError(f"{size} {name} exceed CUDA's grid limit of {_MAX_GRID_YZ} (the sizes of "
+                             f"any vmapped axes count too)")
+
+
+def _layout(query, a, cu_seqlens, chunk_size):
+    """Sizes, chunk bookkeeping and the flags every kernel takes."""
+    batch, seq_len, num_heads, _ = query.shape
+    per_row = 1 if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    if cu_seqlens is None:
+        slots = cdiv(seq_len, chunk_size)
+        chunk_indices = chunk_offsets = jnp.zeros((1,), jnp.int32)  # never read
+        cu = jnp.zeros((1,), jnp.int32)
+    else:
+        # The number of chunks depends on the lengths, traced under jax.jit: launch an upper bound
+        # (each sequence adds at most one short chunk); the spare slots are (-1, -1) and idle.
+        slots = cdiv(seq_len, chunk_size) + per_row
+        chunk_indices = prepare_chunk_indices(cu_seqlens, chunk_size, total_chunks=slots).astype(jnp.int32)
+        chunk_offsets = prepare_chunk_offsets(cu_seqlens, chunk_size).astype(jnp.int32)
+        cu = cu_seqlens.astype(jnp.int32)
+    _check_grid(**{"chunk slots": slots, "batch rows x heads (and sequences x heads)":
+                   batch * per_row * num_heads})
+    flags = dict(USE_G=a is not None, USE_GK=a is not None and a.ndim == 4,
+                 IS_VARLEN=cu_seqlens is not None)
+    return per_row, slots, cu, chunk_indices, chunk_offsets, flags
+
+
+def _dot_precision(dtype, config: ChunkedConfig) -> str:
+    return config.float32_dot if jnp.dtype(dtype) == jnp.float32 else "tf32"
+
+
+def _run_states(static, num_heads, k, v, a, h0, cu, chunk_offsets, per_row, slots, flags, state_dtype):
+    batch, seq_len, num_kv_heads, key_dim = k.shape
+    value_dim = v.shape[3]
+    block_k, block_v = _fit(static.config.states, key_dim, value_dim)
+    num_seqs = batch * per_row
+    return triton_call(
+        k, v, _or_stand_in(a), _or_stand_in(h0), cu, chunk_offsets, seq_len, slots, per_row,
+        kernel=_states_kernel,
+        out_shape=[jax.ShapeDtypeStruct((batch * slots, num_heads, key_dim, value_dim), state_dtype),
+                   jax.ShapeDtypeStruct((num_seqs, num_heads, key_dim, value_dim), jnp.float32)],
+        grid=(cdiv(value_dim, block_v), cdiv(key_dim, block_k), num_seqs * num_heads),
+        num_warps=static.config.states.num_warps, num_stages=static.config.states.num_stages,
+        H=num_heads, H_KV=num_kv_heads, K=key_dim, V=value_dim, BT=static.chunk_size, BK=block_k, BV=block_v,
+        USE_G=flags["USE_G"], USE_GK=flags["USE_GK"], HAS_H0=h0 is not None, REVERSE=static.reverse,
+        IS_VARLEN=flags["IS_VARLEN"], F32_DOT=_dot_precision(k.dtype, static.config),
+    )
+
+
+def _state_dtype(dtype):
+    """States between chunks are stored in the inputs' dtype (they feed 16-bit tensor-core
+    products); the walk itself carries them in float32."""
+    return jnp.float32 if jnp.dtype(dtype) == jnp.float32 else dtype
+
+
+def _forward_launch(static, query, key, value, a, h0, cu_seqlens):
+    """The three forward kernels: ``(o, final_state, A)``."""
+    batch, seq_len, num_heads, key_dim = query.shape
+    num_kv_heads, value_dim = key.shape[2], value.shape[3]
+    per_row, slots, cu, chunk_indices, chunk_offsets, flags = _layout(query, a, cu_seqlens, static.chunk_size)
+    cfg, bt = static.config, static.chunk_size
+    precision = _dot_precision(query.dtype, cfg)
+    common = dict(H=num_heads, H_KV=num_kv_heads, K=key_dim, BT=bt, USE_G=flags["USE_G"], USE_GK=flags["USE_GK"],
+                  REVERSE=static.reverse, IS_VARLEN=flags["IS_VARLEN"], F32_DOT=precision)
+
+    states, final_state = _run_states(static, num_heads, key, value, a, h0, cu, chunk_offsets, per_row, slots, flags,
+                                      _state_dtype(query.dtype))
+    sub = min(cfg.sub_chunk, bt) if flags["USE_GK"] else bt
+    block_k, _ = _fit(cfg.attention, key_dim, value_dim)
+    A = triton_call(
+        query, key, _or_stand_in(a), cu, chunk_indices, seq_len, per_row,
+        kernel=_attention_kernel,
+        out_shape=jax.ShapeDtypeStruct((batch, seq_len, num_heads, bt), jnp.float32),
+        grid=(bt // sub, slots, batch * num_heads),
+        num_warps=cfg.attention.num_warps, num_stages=cfg.attention.num_stages,
+        SCALE=static.scale, BC=sub, BK=block_k, **common,
+    )
+    block_k, block_v = _fit(cfg.output, key_dim, value_dim)
+    o = triton_call(
+        query, value, _or_stand_in(a), states, A, cu, chunk_indices, seq_len, slots, per_row,
+        kernel=_output_kernel,
+        out_shape=jax.ShapeDtypeStruct((batch, seq_len, num_heads, value_dim), query.dtype),
+        grid=(cdiv(value_dim, block_v), slots, batch * num_heads),
+        num_warps=cfg.output.num_warps, num_stages=cfg.output.num_stages,
+        V=value_dim, SCALE=static.scale, BK=block_k, BV=block_v, **common,
+    )
+    return o, final_state, A
+
+
+def _backward_launch(static, query, key, value, a, h0, cu_seqlens, A, d_o, d_final_state):
+    """The backward kernels: ``(dq, dk, dv, dg_terms, d initial_state)``, dk and dv per query head."""
+    batch, seq_len, num_heads, key_dim = query.shape
+    num_kv_heads, value_dim = key.shape[2], value.shape[3]
+    per_row, slots, cu, chunk_indices, chunk_offsets, flags = _layout(query, a, cu_seqlens, static.chunk_size)
+    cfg, bt = static.config, static.chunk_size
+    f32 = jnp.float32
+    precision = _dot_precision(query.dtype, cfg)
+    use_g, use_gk = flags["USE_G"], flags["USE_GK"]
+    common = dict(H=num_heads, K=key_dim, BT=bt, REVERSE=static.reverse, IS_VARLEN=flags["IS_VARLEN"],
+                  F32_DOT=precision)
+    gated = dict(USE_G=use_g, USE_GK=use_gk)
+    per_token = lambda size: jax.ShapeDtypeStruct((batch, seq_len, num_heads, size), f32)  # noqa: E731
+    state_dtype = _state_dtype(query.dtype)
+    a_ = _or_stand_in(a)
+    num_seqs = batch * per_row
+
+    # The states again (cheaper to recompute than to keep), then D, walking the other way.
+    states, _ = _run_states(static, num_heads, key, value, a, h0, cu, chunk_offsets, per_row, slots, flags, state_dtype)
+    block_k, block_v = _fit(cfg.state_grads, key_dim, value_dim)
+    dstates, dh0 = triton_call(
+        query, d_o, a_, _or_stand_in(d_final_state), cu, chunk_offsets, seq_len, slots, per_row,
+        kernel=_state_grads_kernel,
+        out_shape=[jax.ShapeDtypeStruct((batch * slots, num_heads, key_dim, value_dim), state_dtype),
+                   jax.ShapeDtypeStruct((num_seqs, num_heads, key_dim, value_dim) if h0 is not None else (1,),
+                                        f32)],
+        grid=(cdiv(value_dim, block_v), cdiv(key_dim, block_k), num_seqs * num_heads),
+        num_warps=cfg.state_grads.num_warps, num_stages=cfg.state_grads.num_stages,
+        V=value_dim, SCALE=static.scale, BK=block_k, BV=block_v, HAS_DHT=d_final_state is not None,
+        HAS_H0=h0 is not None, **gated, **common,
+    )
+
+    scalar_gate = use_g and not use_gk
+    _, block_v = _fit(cfg.dA, key_dim, value_dim)
+    dA, dg_intra = triton_call(
+        value, d_o, A, cu, chunk_indices, seq_len, per_row,
+        kernel=_dA_kernel,
+        out_shape=[per_token(bt), jax.ShapeDtypeStruct((batch, seq_len, num_heads) if scalar_gate else (1,), f32)],
+        grid=(slots, batch * num_heads),
+        num_warps=cfg.dA.num_warps, num_stages=cfg.dA.num_stages,
+        H=num_heads, H_KV=num_kv_heads, V=value_dim, BT=bt, BV=block_v, SCALAR_GATE=scalar_gate,
+        REVERSE=static.reverse, IS_VARLEN=flags["IS_VARLEN"], F32_DOT=precision,
+    )
+
+    if use_gk:
+        sub = min(cfg.sub_chunk, bt)
+        block_k, _ = _fit(cfg.intra_grads, key_dim, value_dim)
+        dq_intra, dk_intra, dg_intra = triton_call(
+            query, key, a, dA, cu, chunk_indices, seq_len, per_row,
+            kernel=_intra_grads_kernel,
+            out_shape=[per_token(key_dim)] * 3,
+            grid=(cdiv(key_dim, block_k) * (bt // sub), slots, batch * num_heads),
+            num_warps=cfg.intra_grads.num_warps, num_stages=cfg.intra_grads.num_stages,
+            H_KV=num_kv_heads, SCALE=static.scale, BC=sub, BK=block_k, **common,
+        )
+    else:
+        dq_intra = dk_intra = jnp.zeros((1,), f32)
+
+    block_k, block_v = _fit(cfg.dv, key_dim, value_dim)
+    dv = triton_call(
+        key, a_, d_o, A, dstates, cu, chunk_indices, seq_len, slots, per_row,
+        kernel=_dv_kernel,
+        out_shape=per_token(value_dim),
+        grid=(cdiv(value_dim, block_v), slots, batch * num_heads),
+        num_warps=cfg.dv.num_warps, num_stages=cfg.dv.num_stages,
+        H_KV=num_kv_heads, V=value_dim, BK=block_k, BV=block_v, **gated, **common,
+    )
+
+    block_k, block_v = _fit(cfg.inter_grads, key_dim, value_dim)
+    num_k_tiles = cdiv(key_dim, block_k)
+    if use_gk:
+        dg_shape = (batch, seq_len, num_heads, key_dim)
+    elif use_g:
+        dg_shape = (num_k_tiles, batch, seq_len, num_heads)  # per-K-tile shares, summed below
+    else:
+        dg_shape = (1,)
+    dq, dk, dg = triton_call(
+        query, key, value, a_, d_o, states, dstates, dA, dq_intra, dk_intra,
+        dg_intra if use_gk else jnp.zeros((1,), f32), cu, chunk_indices, seq_len, slots, per_row,
+        batch * seq_len,
+        kernel=_inter_grads_kernel,
+        out_shape=[per_token(key_dim), per_token(key_dim), jax.ShapeDtypeStruct(dg_shape, f32)],
+        grid=(num_k_tiles, slots, batch * num_heads),
+        num_warps=cfg.inter_grads.num_warps, num_stages=cfg.inter_grads.num_stages,
+        H_KV=num_kv_heads, V=value_dim, SCALE=static.scale, BK=block_k, BV=block_v, **gated, **common,
+    )
+    if scalar_gate:
+        dg = dg_intra + dg.sum(0)
+    elif not use_g:
+        dg = jnp.zeros((1,), f32)
+    return dq, dk, dv, dg, dh0
+
+
+# Under jax.vmap the launches fold the mapped axis into the batch: q, k, v, a, A, do and the
+# states have one (axis 0); cu_seqlens has none (mapped, the launches run one element at a time).
+_FWD_IN_AXES = (0, 0, 0, 0, 0, None)
+_BWD_IN_AXES = (0, 0, 0, 0, 0, None, 0, 0, 0)
+
+
+def _valid_tokens(cu_seqlens, seq_len):
+    """With packing, which tokens of the row belong to a sequence (the rest are never visited)."""
+    return None if cu_seqlens is None else (jnp.arange(seq_len) < cu_seqlens[-1])[:, None, None]
+
+
+def _empty(query, value, cu_seqlens):
+    batch, seq_len, num_heads, key_dim = query.shape
+    num_seqs = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    return num_seqs * num_heads * key_dim * value.shape[3] == 0 or batch * seq_len == 0
+
+
+def _forward(static, query, key, value, a, h0, cu_seqlens):
+    batch, seq_len, num_heads, key_dim = query.shape
+    value_dim = value.shape[3]
+    num_seqs = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    if _empty(query, value, cu_seqlens):  # nothing to walk: o = q h is 0, the state passes through
+        o = jnp.zeros((batch, seq_len, num_heads, value_dim), query.dtype)
+        state = jnp.zeros((num_seqs, num_heads, key_dim, value_dim), jnp.float32) if h0 is None else h0
+        return o, state.astype(jnp.float32), jnp.zeros((batch, seq_len, num_heads, static.chunk_size), jnp.float32)
+    launch = vmap_by_folding(functools.partial(_forward_launch, static), in_axes=_FWD_IN_AXES, out_axes=(0, 0, 0))
+    o, final_state, A = launch(query, key, value, a, h0, cu_seqlens)
+    valid = _valid_tokens(cu_seqlens, seq_len)
+    if valid is not None:
+        o = jnp.where(valid, o, 0).astype(o.dtype)
+    return o, final_state, A
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _chunked(static, query, key, value, a, h0, cu_seqlens):
+    o, final_state, _ = _forward(static, query, key, value, a, h0, cu_seqlens)
+    return o, final_state
+
+
+def _chunked_fwd(static, *primals):
+    # With symbolic_zeros=True each array argument arrives as a CustomVJPPrimal (value, perturbed).
+    query, key, value, a, h0, cu_seqlens = [None if p is None else p.value for p in primals]
+    o, final_state, A = _forward(static, query, key, value, a, h0, cu_seqlens)
+    return (o, final_state), (query, key, value, a, h0, cu_seqlens, A)
+
+
+def _chunked_bwd(static, residuals, cotangents):
+    query, key, value, a, h0, cu_seqlens, A = residuals
+    d_o, d_final_state = cotangents
+    if isinstance(d_o, jax.custom_derivatives.SymbolicZero):  # only final_state was used
+        d_o = jnp.zeros(d_o.shape, d_o.dtype)
+    if isinstance(d_final_state, jax.custom_derivatives.SymbolicZero):
+        d_final_state = None
+    batch, seq_len, num_heads, key_dim = query.shape
+    num_kv_heads, value_dim = value.shape[2], value.shape[3]
+    group = num_heads // num_kv_heads
+    f32 = jnp.float32
+
+    if _empty(query, value, cu_seqlens):
+        dq = dk = jnp.zeros((batch, seq_len, num_heads, key_dim), f32)
+        dv = jnp.zeros((batch, seq_len, num_heads, value_dim), f32)
+        dg_terms = None if a is None else jnp.zeros(a.shape, f32)
+        dh0 = None if h0 is None else (jnp.zeros(h0.shape, f32) if d_final_state is None else d_final_state)
+    else:
+        use_g, use_gk = a is not None, a is not None and a.ndim == 4
+        # Where each output's batch rows are (None: a 1-element stand-in).
+        out_axes = (0, 0, 0, 0 if use_g else None, 0 if h0 is not None else None)
+        launch = vmap_by_folding(functools.partial(_backward_launch, static), in_axes=_BWD_IN_AXES,
+                                 out_axes=out_axes)
+        dq, dk, dv, dg_terms, dh0 = launch(query, key, value, a, h0, cu_seqlens, A, d_o.astype(query.dtype),
+                                     d_final_state)
+        valid = _valid_tokens(cu_seqlens, seq_len)
+        if valid is not None:
+            dq, dk, dv = (jnp.where(valid, x, 0) for x in (dq, dk, dv))
+        if use_g:
+            # The kernels give the gradient with respect to G, a's cumulative sum within each chunk
+            # in walking order; a's is its transpose, the suffix sums within the same chunks
+            # (which also zero the tokens outside every sequence).
+            dg_terms = chunk_local_cumsum(dg_terms, static.chunk_size, reverse=not static.reverse,
+                                          cu_seqlens=cu_seqlens)
+        else:
+            dg_terms = None
+        if h0 is None:
+            dh0 = None
+
+    da = dg_terms
+
+    def grouped(x):  # a key/value head's gradient sums over the query heads it serves
+        return x.reshape(batch, seq_len, num_kv_heads, group, x.shape[-1]).sum(3)
+
+    def cast(x, like):
+        return None if like is None else x.astype(like.dtype)
+
+    return (cast(dq, query), cast(grouped(dk), key), cast(grouped(dv), value), cast(da, a), cast(dh0, h0),
+            None)
+
+
+_chunked.defvjp(_chunked_fwd, _chunked_bwd, symbolic_zeros=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# The public function.
+# ----------------------------------------------------------------------------------------------
+
+
+def _log_decays(g, g_gamma, gk, shape):
+    """a: the log-decay along K, ``a = g + g_gamma + gk`` in float32: ``[B, T, H]`` for scalar
+    gates, ``[B, T, H, K]`` with ``gk``; None without gates. Plain JAX: JAX differentiates it, so
+    the kernels' gradient with respect to a becomes the gates' gradients (sums)."""
+    batch, seq_len, num_heads, _ = shape
+    f32 = jnp.float32
+    if g is None and g_gamma is None and gk is None:
+        return None
+    a = jnp.zeros((batch, seq_len, num_heads), f32)  # the scalar part, g + g_gamma
+    if g is not None:
+        a = a + g.astype(f32)
+    if g_gamma is not None:
+        a = a + g_gamma.astype(f32)
+    if gk is not None:
+        a = gk.astype(f32) + a[..., None]
+    return a
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _chunked_jit(static, query, key, value, g, g_gamma, gk, initial_state, cu_seqlens):
+    if cu_seqlens is not None:
+        # Traced values were not checked: the kernels get the nearest valid packing, so that none
+        # of them can be sent outside its arrays. (cu_seqlens gets no gradient.)
+        cu_seqlens = sanitize_cu_seqlens(cu_seqlens, query.shape[1])
+    dtype = jnp.result_type(query.dtype, key.dtype, value.dtype)  # one dtype for the products
+    a = _log_decays(g, g_gamma, gk, query.shape)
+    h0 = None if initial_state is None else initial_state.astype(jnp.float32)
+    o, final_state = _chunked(static, query.astype(dtype), key.astype(dtype), value.astype(dtype), a, h0,
+                              cu_seqlens)
+    return o.astype(query.dtype), final_state
+
+
+def chunked_recurrent(
+    query: Array,
+    key: Array,
+    value: Array,
+    g: Array | None = None,
+    g_gamma: Array | None = None,
+    gk: Array | None = None,
+    gv: Array | None = None,
+    softmax_scale: float | None = None,
+    initial_state: Array | None = None,
+    reverse: bool = False,
+    cu_seqlens: Array | None = None,
+    chunk_size: int = 64,
+    impl: str = "auto",
+    config: ChunkedConfig | None = None,
+) -> tuple[Array, Array]:
+    """Recurrent linear attention computed chunk-wise with Triton kernels (the training form).
+
+    Same arguments, layouts and results as :func:`ejk_lite.recurrent` (see there), computed in
+    chunks of ``chunk_size`` tokens: tensor-core products inside a chunk, the state handed from
+    chunk to chunk. Differentiable in every array argument; composes with ``jit``, ``grad`` and
+    ``vmap``.
+
+    Args:
+        query, key, value, g, g_gamma, gk, softmax_scale, initial_state, reverse, cu_seqlens: as
+            in :func:`ejk_lite.recurrent`.
+        gv: not supported by the chunked form (a decay along V does not factor into the
+            products); passing it raises ``ValueError``: use :func:`ejk_lite.recurrent`.
+        chunk_size: 16, 32, 64 or 128 (static).
+        impl: ``"triton"``, ``"xla"`` (recurrent's plain-JAX reference, a scan over tokens) or
+            ``"auto"`` (Triton for float16/bfloat16/float32 inputs, XLA for float64).
+        config: a :class:`ChunkedConfig` (tiles, warps and stages per kernel); defaults if None.
+
+    Returns:
+        ``(o, final_state)``: ``o`` ``[B, T, H, V]`` in the query's dtype, ``final_state``
+        ``[N, H, K, V]`` in float32.
+
+    Raises:
+        ValueError: naming the argument, for anything :func:`ejk_lite.recurrent` refuses, a ``gv``,
+        a bad ``chunk_size``, ``impl`` or ``config``, or float64 inputs with ``impl="triton"``.
+    """
+    if impl not in ("auto", "triton", "xla"):
+        raise ValueError(f"impl must be 'auto', 'triton' or 'xla', got {impl!r}")
+    cu_seqlens = _validate(query, key, value, g, g_gamma, gk, gv, initial_state, cu_seqlens)
+    if gv is not None:
+        raise ValueError("gv (a decay along V) is not supported by chunked_recurrent: it does not factor "
+                         "into the chunk's matrix products; use ejk_lite.recurrent")
+    chunk_size = static_int(chunk_size, "chunk_size", minimum=1)
+    if chunk_size not in (16, 32, 64, 128):
+        raise ValueError(f"chunk_size must be 16, 32, 64 or 128, got {chunk_size}")
+    if config is None:
+        config = ChunkedConfig()
+    elif not isinstance(config, ChunkedConfig):
+        raise ValueError(f"config must be a ChunkedConfig, got {type(config).__name__}")
+    scale = _scale(softmax_scale, query.shape[-1])
+    reverse = bool(reverse)
+    supported = all(jnp.dtype(x.dtype) in map(jnp.dtype, _TRITON_DTYPES) for x in (query, key, value))
+    if impl == "triton" and not supported:
+        raise ValueError(f"impl='triton' takes float16, bfloat16 or float32 query/key/value, got "
+                         f"{query.dtype}/{key.dtype}/{value.dtype}; use impl='xla'")
+    if impl == "xla" or not supported:
+        return reference(query, key, value, g, g_gamma, gk, None, scale, initial_state, reverse, cu_seqlens)
+    static = _Static(scale=scale, chunk_size=chunk_size, reverse=reverse, config=config)
+    return _chunked_jit(static, query, key, value, g, g_gamma, gk, initial_state, cu_seqlens)

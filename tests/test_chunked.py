@@ -1,0 +1,379 @@
+"""ejk_lite.chunked_recurrent against a float64 reference and against ejk_lite.recurrent: outputs,
+final state and every gradient; packing, reverse, grouped heads, strong decay, chunk sizes."""
+
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import TOLERANCE, rel_err
+
+import ejk_lite
+from ejk_lite.chunked import ChunkedConfig, KernelConfig, chunked_recurrent
+
+# recurrent's module (renamed in parallel; one place to change) and its reference.
+recurrent_module = importlib.import_module("ejk_lite.linear_attention")
+reference = recurrent_module.reference
+
+ALL_GATES = ("g", "g_gamma", "gk")
+
+
+def make_inputs(rng, *, batch=2, seq_len=37, heads=2, kv_heads=1, key_dim=6, value_dim=9,
+                gates=(), gate_scale=1.0, num_states=None, with_state=True):
+    """Random q/k/v, gates as logsigmoid(gate_scale * normal), and an initial state, in float64."""
+    def normal(*shape):
+        return rng.normal(size=shape)
+
+    def log_gate(*shape):  # log(sigmoid(x)), computed stably
+        return -np.logaddexp(0.0, -gate_scale * normal(*shape))
+
+    inputs = dict(query=normal(batch, seq_len, heads, key_dim),
+                  key=normal(batch, seq_len, kv_heads, key_dim),
+                  value=normal(batch, seq_len, kv_heads, value_dim))
+    gate_shapes = dict(g=(batch, seq_len, heads), g_gamma=(heads,), gk=(batch, seq_len, heads, key_dim))
+    for name in gates:
+        inputs[name] = log_gate(*gate_shapes[name])
+    if with_state:
+        inputs["initial_state"] = normal(batch if num_states is None else num_states, heads, key_dim, value_dim)
+    return inputs
+
+
+def packing(lengths):
+    return jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
+
+
+def check(rng, inputs, dtype=jnp.float32, use=("output", "final_state"), against_recurrent=True, **options):
+    """Run chunked_recurrent in ``dtype`` and the reference in float64 on the same (rounded)
+    inputs; compare the output, the final state and the gradient of every array input. With
+    ``against_recurrent``, also compare everything with ``ejk_lite.recurrent`` in ``dtype``."""
+    names = list(inputs)
+    arrays = [jnp.asarray(inputs[name], dtype) for name in names]
+    recurrent_options = {k: v for k, v in options.items() if k not in ("chunk_size", "config", "impl")}
+
+    def call(fn, opts, *arrays):
+        o, final_state = fn(**dict(zip(names, arrays)), **opts)
+        return {"output": o, "final_state": final_state}
+
+    def used(fn, opts):  # only the outputs named in `use` reach the loss
+        return lambda *arrays: {key: value for key, value in call(fn, opts, *arrays).items() if key in use}
+
+    outs, vjp = jax.vjp(used(chunked_recurrent, options), *arrays)
+    cotangents = {key: jnp.asarray(rng.normal(size=value.shape), value.dtype) for key, value in outs.items()}
+    grads = vjp(cotangents)
+    full = outs if len(outs) == 2 else call(chunked_recurrent, options, *arrays)
+
+    with jax.enable_x64(True):
+        arrays64 = [jnp.asarray(np.asarray(a, np.float64)) for a in arrays]
+        ref_full = call(reference, recurrent_options, *arrays64)
+        _, ref_vjp = jax.vjp(used(reference, recurrent_options), *arrays64)
+        cotangents64 = {key: jnp.asarray(np.asarray(c, np.float64)) for key, c in cotangents.items()}
+        ref_grads = ref_vjp(cotangents64)
+        ref_full, ref_grads = jax.tree.map(np.asarray, (ref_full, ref_grads))
+        if "g_gamma" in names:
+            # g_gamma's gradient sums terms of both signs over every token: its error is measured
+            # against the sum of the terms' magnitudes (as in tests/test_recurrent.py), the terms
+            # being what a per-token gate g would get, probed with a zero g.
+            def probed(probe):
+                kwargs = dict(zip(names, arrays64))
+                kwargs["g"] = kwargs["g"] + probe if "g" in kwargs else probe
+                o, final_state = reference(**kwargs, **recurrent_options)
+                return {key: x for key, x in {"output": o, "final_state": final_state}.items() if key in use}
+            per_token = np.asarray(jax.vjp(probed, jnp.zeros(arrays64[0].shape[:3]))[1](cotangents64)[0])
+            g_gamma_scale = np.linalg.norm(np.abs(per_token).sum(axis=(0, 1)))
+
+    assert full["output"].dtype == dtype and full["final_state"].dtype == jnp.float32
+    tolerance = TOLERANCE[jnp.dtype(dtype).name]
+    errors = {key: rel_err(full[key], ref_full[key]) for key in full}
+    for name, grad, ref_grad, array in zip(names, grads, ref_grads, arrays):
+        assert grad.dtype == array.dtype, (name, grad.dtype)
+        errors["d" + name] = rel_err(grad, ref_grad)
+        if name == "g_gamma":
+            errors["dg_gamma"] *= np.linalg.norm(ref_grad) / g_gamma_scale
+    report = ", ".join(f"{key} {error:.2e}" for key, error in errors.items())
+    assert all(error <= tolerance for error in errors.values()), report
+
+    if against_recurrent:
+        rec_outs, rec_vjp = jax.vjp(used(ejk_lite.recurrent, recurrent_options), *arrays)
+        rec_grads = rec_vjp(cotangents)
+        # Both are within `tolerance` of the reference, so within twice that of each other.
+        diffs = {key: rel_err(outs[key], rec_outs[key]) for key in outs}
+        for name, grad, rec_grad in zip(names, grads, rec_grads):
+            diffs["d" + name] = rel_err(grad, rec_grad)
+        if "g_gamma" in names:
+            index = names.index("g_gamma")
+            diffs["dg_gamma"] *= np.linalg.norm(np.asarray(rec_grads[index], np.float64)) / g_gamma_scale
+        report = ", ".join(f"{key} {error:.2e}" for key, error in diffs.items())
+        assert all(error <= 2 * tolerance for error in diffs.values()), "against recurrent: " + report
+
+
+# ----------------------------------------------------------------------------------------------
+# Gates, decay strength, reverse, chunk sizes.
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("gates,gate_scale", [
+    ((), 1.0), (("g",), 1.0), (("g_gamma",), 1.0), (("gk",), 1.0),
+    (ALL_GATES, 0.1), (ALL_GATES, 1.0), (ALL_GATES, 10.0),
+    (("gk",), 10.0), (("g", "g_gamma"), 10.0), (("g",), 0.1),
+])
+def test_gates(rng, gates, gate_scale):
+    """Each gate alone and all together; scale 10 makes many decays exp(-large) (strong decay)."""
+    check(rng, make_inputs(rng, gates=gates, gate_scale=gate_scale), chunk_size=16)
+
+
+@pytest.mark.parametrize("gates", [("gk",), ("g",), ("g", "g_gamma", "gk")])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_strong_decay(rng, gates, reverse):
+    """Log-gates down to -40 per token: exp(+cumsum) would overflow float32 within a chunk. Half
+    the gates are strong, half nearly 1, so that the strong ones sit between live terms."""
+    inputs = make_inputs(rng, seq_len=45, gates=())
+    shapes = dict(g=(2, 45, 2), g_gamma=(2,), gk=(2, 45, 2, 6))
+    for name in gates:
+        strong = rng.uniform(size=shapes[name]) < 0.5
+        inputs[name] = np.where(strong, -40.0 * rng.uniform(0.5, 1.0, size=shapes[name]),
+                                -0.05 * rng.uniform(size=shapes[name]))
+    check(rng, inputs, chunk_size=32, reverse=reverse)
+
+
+@pytest.mark.parametrize("chunk_size, seq_len", [(16, 50), (32, 70), (64, 100), (64, 21)])
+def test_chunk_sizes(rng, chunk_size, seq_len):
+    """Lengths that are not multiples of the chunk (and one shorter than a chunk)."""
+    inputs = make_inputs(rng, batch=1, seq_len=seq_len, gates=ALL_GATES, key_dim=20, value_dim=12)
+    check(rng, inputs, chunk_size=chunk_size)
+
+
+@pytest.mark.parametrize("chunk_size", [16, 64])
+def test_reverse_without_initial_state_and_custom_scale(rng, chunk_size):
+    inputs = make_inputs(rng, gates=ALL_GATES, with_state=False, key_dim=16, value_dim=5)
+    check(rng, inputs, chunk_size=chunk_size, reverse=True, softmax_scale=0.7)
+
+
+def test_grouped_heads(rng):
+    """Four query heads share two key/value heads; K != V."""
+    inputs = make_inputs(rng, heads=4, kv_heads=2, key_dim=12, value_dim=20, gates=("g", "gk"))
+    check(rng, inputs, chunk_size=16)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_several_tiles_and_sub_chunks(rng, packed):
+    """Tiles narrower than K and V (three of each) and 32-token sub-chunks in 64-token chunks."""
+    tiles = KernelConfig(block_k=16, block_v=16, num_warps=2, num_stages=1)
+    config = ChunkedConfig(**{name: tiles for name in ("states", "attention", "output", "state_grads", "dA",
+                                                       "intra_grads", "dv", "inter_grads")}, sub_chunk=32,
+                           float32_dot="ieee")
+    options = dict(chunk_size=64, config=config)
+    if packed:
+        lengths = [40, 0, 1, 29]
+        options["cu_seqlens"] = packing(lengths)
+        inputs = make_inputs(rng, batch=1, seq_len=72, key_dim=40, value_dim=36, gates=ALL_GATES,
+                             num_states=len(lengths))
+    else:
+        inputs = make_inputs(rng, batch=1, seq_len=70, key_dim=40, value_dim=36, gates=ALL_GATES)
+    check(rng, inputs, reverse=packed, **options)
+
+
+# ----------------------------------------------------------------------------------------------
+# Packed sequences and states.
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("gates", [("gk",), ("g", "g_gamma")])
+def test_packed_sequences(rng, reverse, gates):
+    """Sequences of 5, 0, 1, 37, 17 and 1 tokens in one row, 3 padding tokens after them."""
+    lengths = [5, 0, 1, 37, 17, 1]
+    inputs = make_inputs(rng, batch=1, seq_len=sum(lengths) + 3, heads=4, kv_heads=2, key_dim=8, value_dim=5,
+                         gates=gates, num_states=len(lengths))
+    check(rng, inputs, chunk_size=16, reverse=reverse, cu_seqlens=packing(lengths))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_half_precision(rng, dtype):
+    check(rng, make_inputs(rng, gates=ALL_GATES), dtype=dtype, chunk_size=16)
+
+
+def test_half_precision_packed_reverse(rng):
+    lengths = [20, 1, 0, 14]
+    inputs = make_inputs(rng, batch=1, seq_len=sum(lengths), heads=2, kv_heads=2, gates=ALL_GATES,
+                         num_states=len(lengths))
+    check(rng, inputs, dtype=jnp.bfloat16, chunk_size=16, reverse=True, cu_seqlens=packing(lengths))
+
+
+@pytest.mark.parametrize("use", [("output",), ("final_state",)])
+def test_only_one_result_used(rng, use):
+    """The unused result's cotangent is a symbolic zero; the gradients must still be right."""
+    check(rng, make_inputs(rng, gates=ALL_GATES), use=use, chunk_size=16)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_state_passing(rng, reverse):
+    """Running a sequence in two calls, the first's final state starting the second, equals one call."""
+    inputs = {name: jnp.asarray(x, jnp.float32)
+              for name, x in make_inputs(rng, gates=ALL_GATES, seq_len=40).items()}
+    o, final_state = chunked_recurrent(**inputs, reverse=reverse, chunk_size=16)
+
+    split = 21
+    sequence_inputs = ("query", "key", "value", "g", "gk")
+    first = {n: x[:, :split] if n in sequence_inputs else x for n, x in inputs.items()}
+    second = {n: x[:, split:] if n in sequence_inputs else x for n, x in inputs.items()}
+    if reverse:  # the walk starts at the end: the second half goes first
+        first, second = second, first
+    o_first, state = chunked_recurrent(**first, reverse=reverse, chunk_size=16)
+    o_second, final_state_two_calls = chunked_recurrent(**{**second, "initial_state": state}, reverse=reverse,
+                                                        chunk_size=16)
+    o_two_calls = jnp.concatenate([o_second, o_first] if reverse else [o_first, o_second], axis=1)
+    assert rel_err(o_two_calls, o) <= TOLERANCE["float32"]
+    assert rel_err(final_state_two_calls, final_state) <= TOLERANCE["float32"]
+
+
+def test_no_tokens_in_any_sequence(rng):
+    """Only empty sequences and padding: zero output, the state passes through, so does its gradient."""
+    inputs = {n: jnp.asarray(x, jnp.float32)
+              for n, x in make_inputs(rng, batch=1, seq_len=3, gates=ALL_GATES, num_states=2).items()}
+    cu_seqlens = jnp.array([0, 0, 0], jnp.int32)
+    names = list(inputs)
+    (o, final_state), vjp = jax.vjp(
+        lambda *a: chunked_recurrent(**dict(zip(names, a)), cu_seqlens=cu_seqlens, chunk_size=16),
+        *inputs.values())
+    assert float(jnp.abs(o).max()) == 0.0
+    np.testing.assert_array_equal(final_state, inputs["initial_state"])
+    d_final_state = jnp.asarray(rng.normal(size=final_state.shape), jnp.float32)
+    grads = dict(zip(inputs, vjp((jnp.asarray(rng.normal(size=o.shape), o.dtype), d_final_state))))
+    np.testing.assert_array_equal(grads.pop("initial_state"), d_final_state)
+    assert all(float(jnp.abs(grad).max()) == 0.0 for grad in grads.values())
+
+
+@pytest.mark.parametrize("key_dim, value_dim", [(0, 5), (4, 0)])
+def test_empty_key_or_value_dimension(rng, key_dim, value_dim):
+    arrays = {n: jnp.asarray(x, jnp.float32)
+              for n, x in make_inputs(rng, key_dim=key_dim, value_dim=value_dim, gates=ALL_GATES).items()}
+    names = list(arrays)
+    (o, state), vjp = jax.vjp(lambda *a: chunked_recurrent(**dict(zip(names, a))), *arrays.values())
+    assert o.shape == (2, 37, 2, value_dim) and state.shape == (2, 2, key_dim, value_dim)
+    assert float(jnp.abs(o).sum()) == 0.0
+    grads = vjp((jnp.asarray(rng.normal(size=o.shape), jnp.float32), jnp.zeros(state.shape)))
+    for name, grad in zip(names, grads):
+        assert grad.shape == arrays[name].shape, name
+        assert float(jnp.abs(grad).sum()) == 0.0, name
+
+
+# ----------------------------------------------------------------------------------------------
+# jit with traced packing, vmap, impl, arguments.
+# ----------------------------------------------------------------------------------------------
+
+
+def test_jit_with_traced_cu_seqlens(rng):
+    lengths = [7, 0, 20, 1]
+    inputs = {n: jnp.asarray(x, jnp.float32) for n, x in
+              make_inputs(rng, batch=1, seq_len=30, gates=("g", "gk"), num_states=len(lengths)).items()}
+    cu_seqlens = packing(lengths)
+    eager = chunked_recurrent(**inputs, cu_seqlens=cu_seqlens, chunk_size=16)
+    jitted = jax.jit(lambda cu: chunked_recurrent(**inputs, cu_seqlens=cu, chunk_size=16))(cu_seqlens)
+    for x, y in zip(eager, jitted):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    # Garbage offsets under jit (unchecked): the nearest valid packing, finite numbers, no crash.
+    garbage = jnp.array([3, -5, 100, 2, 9], jnp.int32)
+    o, state = jax.jit(lambda cu: chunked_recurrent(**inputs, cu_seqlens=cu, chunk_size=16))(garbage)
+    assert np.all(np.isfinite(np.asarray(o))) and np.all(np.isfinite(np.asarray(state)))
+
+
+def test_vmap_and_grad(rng):
+    """vmap over a leading axis (mapped g_gamma too), of the gradient as well, equals a loop."""
+    per_item = [{n: jnp.asarray(x, jnp.float32) for n, x in make_inputs(rng, seq_len=20, gates=ALL_GATES).items()}
+                for _ in range(2)]
+    stacked = jax.tree.map(lambda *x: jnp.stack(x), *per_item)
+
+    def loss(inputs):
+        o, state = chunked_recurrent(**inputs, chunk_size=16)
+        return jnp.sum(o * jnp.cos(o)) + jnp.sum(state ** 2)
+
+    values, grads = jax.vmap(jax.value_and_grad(loss))(stacked)
+    for i, item in enumerate(per_item):
+        value, grad = jax.value_and_grad(loss)(item)
+        assert rel_err(values[i], value) <= 1e-6
+        for name in item:
+            assert rel_err(grads[name][i], grad[name]) <= 1e-6, name
+
+
+def test_vmap_mapped_cu_seqlens(rng):
+    """Each element its own packing: the launches run one element at a time; equals a loop."""
+    inputs = {n: jnp.asarray(x, jnp.float32) for n, x in
+              make_inputs(rng, batch=1, seq_len=24, gates=("gk",), num_states=3).items()}
+    cus = jnp.stack([packing([10, 0, 14]), packing([1, 17, 3])])
+    outs = jax.vmap(lambda cu: chunked_recurrent(**inputs, cu_seqlens=cu, chunk_size=16))(cus)
+    for i in range(2):
+        expected = chunked_recurrent(**inputs, cu_seqlens=cus[i], chunk_size=16)
+        for x, y in zip(outs, expected):
+            assert rel_err(x[i], y) <= 1e-6
+
+
+def test_impl_xla_and_float64(rng):
+    inputs = make_inputs(rng, gates=ALL_GATES)
+    arrays = {n: jnp.asarray(x, jnp.float32) for n, x in inputs.items()}
+    o, state = chunked_recurrent(**arrays, impl="xla", reverse=True)
+    o_ref, state_ref = reference(**arrays, reverse=True)
+    np.testing.assert_array_equal(np.asarray(o), np.asarray(o_ref))
+    np.testing.assert_array_equal(np.asarray(state), np.asarray(state_ref))
+    with jax.enable_x64(True):
+        arrays64 = {n: jnp.asarray(x) for n, x in inputs.items()}
+        o64, _ = chunked_recurrent(**arrays64)  # "auto": float64 goes to the reference
+        assert o64.dtype == jnp.float64
+        np.testing.assert_array_equal(np.asarray(o64), np.asarray(reference(**arrays64)[0]))
+        with pytest.raises(ValueError, match="impl='triton'.*float64"):
+            chunked_recurrent(**arrays64, impl="triton")
+
+
+def test_gv_is_refused_with_a_pointer_to_recurrent(rng):
+    arrays = {n: jnp.asarray(x, jnp.float32) for n, x in make_inputs(rng, gates=("gk",)).items()}
+    gv = jnp.zeros((2, 37, 2, 9))
+    with pytest.raises(ValueError, match="gv.*recurrent"):
+        chunked_recurrent(**arrays, gv=gv)
+
+
+@pytest.mark.parametrize("change,argument", [
+    (dict(key=(2, 5, 2, 4)), "key"),
+    (dict(value=(2, 6, 2, 4)), "value"),
+    (dict(key=(2, 5, 3, 3), value=(2, 5, 3, 4)), "heads"),
+    (dict(g=(2, 5, 2)), "g"),
+    (dict(g_gamma=(2, 4)), "g_gamma"),
+    (dict(gk=(2, 5, 4, 4)), "gk"),
+    (dict(initial_state=(3, 4, 3, 4)), "initial_state"),
+    (dict(query=(2, 5, 4)), "query"),
+])
+def test_bad_shapes(change, argument):
+    shapes = dict(query=(2, 5, 4, 3), key=(2, 5, 2, 3), value=(2, 5, 2, 4))
+    shapes.update(change)
+    args = {name: jnp.zeros(shape) for name, shape in shapes.items()}
+    with pytest.raises(ValueError, match=argument):
+        chunked_recurrent(**args)
+
+
+@pytest.mark.parametrize("kwargs, argument", [
+    (dict(chunk_size=48), "chunk_size"), (dict(chunk_size=8), "chunk_size"), (dict(chunk_size=16.0), "chunk_size"),
+    (dict(chunk_size=True), "chunk_size"), (dict(impl="cuda"), "impl"), (dict(config={"states": 1}), "config"),
+    (dict(softmax_scale="0.5"), "softmax_scale"), (dict(cu_seqlens=jnp.array([0, 4, 2], jnp.int32)), "cu_seqlens"),
+    (dict(g=jnp.zeros((1, 6, 2), jnp.int32)), "g"),
+])
+def test_bad_arguments(kwargs, argument):
+    q, k, v = jnp.zeros((1, 6, 2, 3)), jnp.zeros((1, 6, 2, 3)), jnp.zeros((1, 6, 2, 4))
+    with pytest.raises(ValueError, match=argument):
+        chunked_recurrent(q, k, v, **kwargs)
+
+
+@pytest.mark.parametrize("make, field", [
+    (lambda: KernelConfig(block_k=8), "block_k"), (lambda: KernelConfig(block_v=48), "block_v"),
+    (lambda: KernelConfig(num_warps=3), "num_warps"), (lambda: KernelConfig(num_stages=0), "num_stages"),
+    (lambda: KernelConfig(block_k=32.0), "block_k"), (lambda: KernelConfig(num_warps=True), "num_warps"),
+    (lambda: ChunkedConfig(sub_chunk=8), "sub_chunk"), (lambda: ChunkedConfig(float32_dot="tf32"), "float32_dot"),
+    (lambda: ChunkedConfig(states=(64, 64)), "states"),
+])
+def test_bad_config(make, field):
+    with pytest.raises(ValueError, match=field):
+        make()
+
+
+def test_config_numpy_ints_and_hashable():
+    config = ChunkedConfig(states=KernelConfig(block_k=np.int64(32), block_v=16))
+    assert config.states.block_k == 32 and type(config.states.block_k) is int
+    assert hash(config) == hash(ChunkedConfig(states=KernelConfig(block_k=32, block_v=16)))
