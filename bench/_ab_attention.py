@@ -1,0 +1,128 @@
+"""Same-process A/B of attention versions: which one is faster, with the GPU's drift taken out.
+
+Separate processes (``bench/_ab.py``) differed by up to 10 % from run to run on the same code, more
+than the differences looked for. Here every version is imported in one process, as a renamed copy
+of the package (``ejk_new``, ``ejk_old``, ...), and the timings are interleaved: ``--reps`` rounds,
+each timing every (version, mask, direction) once (10 samples, CUDA events); the median of the
+round medians is reported, with the spread of the rounds.
+
+    here:    python bench/_ab_attention.py prepare .scratch/ab     # the copies, from git
+    GPU:     python bench/_ab_attention.py run .scratch/ab --out bench/results   # -> ab_attention.json
+
+The versions: ``new``, the working tree; ``old``, 139f93b (before issue 17's safety work);
+``fast``, the working tree with the NaN containment's second pass cut off (``if False:``): a
+lower bound for the design, wrong on NaN inputs, timed to show what the containment costs.
+Every version's output and gradients are compared with ``new``'s at every timed configuration;
+the run fails past a relative difference of 1e-2 (bf16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+
+OLD = "139f93bc004980ce62b4365ac35c8b6f1eda1191"
+CONTAINMENT = ("if _any_not_finite(acc):", "if _any_not_finite(dk):", "if _any_not_finite(dq):")
+
+
+def _copy(src: pathlib.Path, dest: pathlib.Path, name: str, edits=()) -> None:
+    """``src`` (an ejk_lite package) as the package ``name`` in ``dest``."""
+    target = dest / name
+    shutil.rmtree(target, ignore_errors=True)
+    shutil.copytree(src, target, ignore=shutil.ignore_patterns("__pycache__"))
+    for f in target.glob("*.py"):
+        text = f.read_text().replace("ejk_lite", name)
+        for a, b in edits:
+            if f.name == "attention.py":
+                if a not in text:
+                    raise SystemExit(f"{name}: {a!r} not found in attention.py")
+                text = text.replace(a, b)
+        f.write_text(text)
+
+
+def prepare(dest: pathlib.Path) -> None:
+    root = pathlib.Path(__file__).resolve().parent.parent
+    dest.mkdir(parents=True, exist_ok=True)
+    _copy(root / "ejk_lite", dest, "ejk_new")
+    _copy(root / "ejk_lite", dest, "ejk_fast", [(c, "if False:") for c in CONTAINMENT])
+    with tempfile.TemporaryDirectory() as tmp:
+        archive = subprocess.run(["git", "-C", str(root), "archive", OLD, "ejk_lite"],
+                                 check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+        _copy(pathlib.Path(tmp) / "ejk_lite", dest, "ejk_old")
+    (dest / "COMMIT").write_text(subprocess.run(
+        ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True).stdout)
+    print("prepared", sorted(p.name for p in dest.iterdir()))
+
+
+def run(src: pathlib.Path, out: str | None, reps: int) -> None:
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+    sys.path.insert(0, str(src))
+    import common
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    names = ("new", "fast", "old")
+    mods = {n: importlib.import_module("ejk_" + n) for n in names}
+    rng = np.random.default_rng(0)
+    B, H, T, D = 4, 16, 8192, 128
+    q, k, v, ct = (jnp.asarray(rng.standard_normal((B, H, T, D)), jnp.bfloat16) for _ in range(4))
+    bounds = np.sort(rng.choice(np.arange(1, T), 7, replace=False))
+    seg = jnp.asarray(np.broadcast_to(np.searchsorted(bounds, np.arange(T), side="right"), (B, T)),
+                      jnp.int32)
+    masks = {"causal": dict(causal=True),
+             "documents": dict(causal=True, q_segment_ids=seg, kv_segment_ids=seg),
+             "window 1024": dict(causal=True, sliding_window=(1024, 0))}
+    fns, worst = {}, 0.0
+    for mask, kw in masks.items():
+        results = {}
+        for n, m in mods.items():
+            fb = m.BlockSizes.forward(D, jnp.bfloat16)
+            built = jax.jit(lambda m=m: m.make_block_mask(T, T, q_block=fb.block_q,
+                                                          kv_block=fb.block_kv, **kw))()
+            fn = (lambda q, k, v, m=m, built=built:
+                  m.blocksparse_attention(q, k, v, qkv_layouts=built, causal=False))
+            fns[n, mask, "fwd"] = jax.jit(fn)
+            fns[n, mask, "fwd+bwd"] = jax.jit(lambda q, k, v, fn=fn: jax.vjp(fn, q, k, v)[1](ct))
+            results[n] = [fns[n, mask, "fwd"](q, k, v), *fns[n, mask, "fwd+bwd"](q, k, v)]
+        for n in names[1:]:  # every version against new: output, dq, dk, dv
+            for a, b in zip(results[n], results["new"]):
+                a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+                worst = max(worst, float(np.linalg.norm(a - b) / np.linalg.norm(b)))
+    print("largest relative difference to new:", worst, flush=True)
+    if not worst <= 1e-2:
+        raise SystemExit(f"versions disagree: {worst}")
+    rounds = {key: [] for key in fns}
+    for _ in range(reps):
+        for key, f in fns.items():
+            rounds[key].append(common.time_stats_ms(lambda: f(q, k, v), samples=10)["median_ms"])
+    table = {}
+    for (n, mask, direction), xs in rounds.items():
+        table.setdefault(f"{mask} {direction}", {})[n] = {
+            "median_ms": float(np.median(xs)), "min_ms": float(min(xs)), "max_ms": float(max(xs))}
+    for row, cells in table.items():
+        print(f"{row:22s}", "  ".join(f"{n} {c['median_ms']:.3f}" for n, c in cells.items()))
+    record = {"shape": dict(B=B, H=H, T=T, D=D), "dtype": "bfloat16", "versions": {"new": (src / "COMMIT").read_text().strip(),
+                                                "fast": "new without the second pass",
+                                                "old": OLD},
+              "rounds": reps, "samples_per_round": 10, "largest_relative_difference": worst,
+              "median_of_round_medians": table}
+    if out:
+        print("wrote", common.write_result(out, "ab_attention", record))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("what", choices=("prepare", "run"))
+    parser.add_argument("dir")
+    parser.add_argument("--out")
+    parser.add_argument("--reps", type=int, default=8)
+    args = parser.parse_args()
+    prepare(pathlib.Path(args.dir)) if args.what == "prepare" else run(pathlib.Path(args.dir),
+                                                                        args.out, args.reps)
