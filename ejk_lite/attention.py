@@ -50,8 +50,9 @@ import triton.language as tl
 from jax import Array
 
 from ejk_lite.launch import triton_call
-from ejk_lite.masking import (EMPTY, BlockMask, TokenRule, _build, _check_block, _check_layout,
-                              check_block_mask, combine_rules, dense_mask, restrict, token_rule)
+from ejk_lite.checks import next_power_of_2, power_of_two, resolve_impl
+from ejk_lite.masking import (EMPTY, BlockMask, TokenRule, build_block_mask, check_block_mask,
+                              check_layout, combine_rules, dense_mask, restrict, token_rule)
 
 LOG2E = tl.constexpr(math.log2(math.e))  # a constexpr: usable inside the kernels too
 _BIG_WINDOW = 2**30
@@ -714,7 +715,7 @@ def _attention_dq_kernel(
 
 
 def _pow2(n: int) -> int:
-    return max(16, triton.next_power_of_2(n))
+    return max(16, next_power_of_2(n))
 
 
 def _rule_operands(rule: TokenRule | None, B: int, T: int, S: int) -> tuple[list[Array], list[int]]:
@@ -1083,9 +1084,9 @@ def _mask_spec(B, H, T, S, q_segment_ids, kv_segment_ids, q_positions, kv_positi
         return _MaskSpec(combined, given.layout, given.layout_block, "and", given, extra)
     block = chunk_size if chunk_size is not None else default_block
     block = (block, block) if isinstance(block, (int, np.integer)) else tuple(block)
-    _check_block("chunk_size", block[0])
-    _check_block("chunk_size", block[1])
-    layout = _check_layout(qkv_layouts, T, S, block, H)
+    power_of_two(block[0], "chunk_size")
+    power_of_two(block[1], "chunk_size")
+    layout = check_layout(qkv_layouts, T, S, block, H)
     return _MaskSpec(rule, layout, block, "and")
 
 
@@ -1218,7 +1219,7 @@ def _run(static: _Static, layout_block, combine, query, key, value, softmax_aux,
         if prebuilt is not None:
             mask = prebuilt.with_blocks(blocks.block_q, blocks.block_kv)
             return mask if extra is None else restrict(mask, extra, rule)
-        return _build(rule, layout, layout_block, combine, T, S, blocks.block_q, blocks.block_kv)
+        return build_block_mask(rule, layout, layout_block, combine, T, S, blocks.block_q, blocks.block_kv)
 
     masks = {}  # one mask per distinct tile shape (the backward's kernels may use other sizes)
     for blocks in (static.fwd, static.dkv, static.dq):
@@ -1297,8 +1298,7 @@ def blocksparse_attention(
     ``jit``, ``grad`` and ``vmap``, nested too: mapped axes fold into the batch axis, one launch.
     Returns ``[B, Hq, T, Dv]`` in the query's dtype.
     """
-    if impl not in ("auto", "triton", "xla"):
-        raise ValueError(f"impl must be 'auto', 'triton' or 'xla', got {impl!r}")
+    impl = resolve_impl(impl, auto="auto")  # "auto": resolved below, by what the kernels support
     if fwd_blocks is not None and not isinstance(fwd_blocks, BlockSizes):
         raise ValueError(f"fwd_blocks must be a BlockSizes, got {type(fwd_blocks).__name__}")
     if bwd_blocks is not None and not isinstance(bwd_blocks, BlockSizes) and not (
@@ -1317,8 +1317,8 @@ def blocksparse_attention(
                                       sliding_window, chunk_size, causal, default_block)
     fwd, dkv, dq = _fit(fwd, spec), _fit(dkv, spec), _fit(dq, spec)
     for blocks in (fwd, dkv, dq):
-        _check_block("block_q", blocks.block_q)
-        _check_block("block_kv", blocks.block_kv)
+        power_of_two(blocks.block_q, "block_q")
+        power_of_two(blocks.block_kv, "block_kv")
     unsupported = _triton_supported(query, value, fwd, dkv, dq)
     if impl == "triton" and unsupported:
         raise ValueError(f"impl='triton' cannot run this call: {unsupported}")

@@ -57,6 +57,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
+from ejk_lite.checks import power_of_two
+
 EMPTY, PARTIAL, FULL = 0, 1, 2
 _BIG = 2**30  # windows are clipped here so that position +- window never overflows int32
 _I32_MIN, _I32_MAX = int(np.iinfo(np.int32).min), int(np.iinfo(np.int32).max)
@@ -217,7 +219,7 @@ class BlockMask:
         """The same mask (same token semantics) at other block sizes, e.g. the backward's."""
         if (q_block, kv_block) == (self.q_block, self.kv_block):
             return self
-        return _build(self.rule, self.layout, self.layout_block, self.combine,
+        return build_block_mask(self.rule, self.layout, self.layout_block, self.combine,
                       self.q_len, self.kv_len, q_block, kv_block)
 
     def token_mask(self) -> Array:
@@ -429,9 +431,11 @@ def _lists(kinds: Array, kind: int) -> tuple[Array, Array]:
     return count, index
 
 
-def _build(rule, layout, layout_block, combine, T, S, bq, bk) -> BlockMask:
-    _check_block("q_block", bq)
-    _check_block("kv_block", bk)
+def build_block_mask(rule, layout, layout_block, combine, T, S, bq, bk) -> BlockMask:
+    """The block mask of a checked rule and/or layout at ``(bq, bk)``: what :func:`make_block_mask`
+    and attention (which builds its masks at its own tile sizes) share."""
+    power_of_two(bq, "q_block")
+    power_of_two(bk, "kv_block")
     if layout is not None and (bq > layout_block[0] or bk > layout_block[1]):
         raise ValueError(f"block sizes ({bq}, {bk}) must not exceed the layout's tiles "
                          f"{layout_block}: "
@@ -481,11 +485,6 @@ def restrict(mask: BlockMask, extra: TokenRule, rule: TokenRule | None = None) -
 # ----------------------------------------------------------------------------------------------
 # Checks, then the public builders.
 # ----------------------------------------------------------------------------------------------
-
-
-def _check_block(name: str, size: Any) -> None:
-    if not isinstance(size, (int, np.integer)) or size < 1 or size & (size - 1):
-        raise ValueError(f"{name} must be a power of two, got {size!r}")
 
 
 def _check_ids(name: str, x: Any, length: int, batch: int | None) -> Any:
@@ -619,8 +618,8 @@ def token_rule(q_len: int, kv_len: int, *, q_segment_ids=None, kv_segment_ids=No
                      causal=bool(causal), window=window)
 
 
-def _check_layout(layout: Any, T: int, S: int, layout_block: tuple[int, int],
-                  heads: int | None) -> Array:
+def check_layout(layout: Any, T: int, S: int, layout_block: tuple[int, int],
+                 heads: int | None) -> Array:
     shape = getattr(layout, "shape", None)
     lq, lk = layout_block
     expected = (-(-T // lq), -(-S // lk))
@@ -669,8 +668,8 @@ def make_block_mask(
     for name, n in (("q_len", q_len), ("kv_len", kv_len)):
         if not isinstance(n, (int, np.integer)) or n < 0:
             raise ValueError(f"{name} must be a non-negative int, got {n!r}")
-    _check_block("q_block", q_block)
-    _check_block("kv_block", kv_block)
+    power_of_two(q_block, "q_block")
+    power_of_two(kv_block, "kv_block")
     if combine not in ("and", "or"):
         raise ValueError(f"combine must be 'and' or 'or', got {combine!r}")
     rule = token_rule(q_len, kv_len, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
@@ -681,12 +680,12 @@ def make_block_mask(
             layout_block = (q_block, kv_block)
         if isinstance(layout_block, (int, np.integer)):
             layout_block = (layout_block, layout_block)
-        _check_block("layout_block", layout_block[0])
-        _check_block("layout_block", layout_block[1])
-        layout = _check_layout(layout, q_len, kv_len, tuple(layout_block), None)
+        power_of_two(layout_block[0], "layout_block")
+        power_of_two(layout_block[1], "layout_block")
+        layout = check_layout(layout, q_len, kv_len, tuple(layout_block), None)
     elif layout_block is not None:
         raise ValueError("layout_block is given but layout is not")
-    return _build(rule, layout, layout_block, combine, int(q_len), int(kv_len), int(q_block),
+    return build_block_mask(rule, layout, layout_block, combine, int(q_len), int(kv_len), int(q_block),
                   int(kv_block))
 
 
@@ -809,8 +808,8 @@ def _combine(a: BlockMask, b: BlockMask, op: str) -> BlockMask:
 
     def build(rule, layout, grain, combine):
         if grain is not None:
-            return _build(rule, layout, grain, combine, T, S, min(bq, grain[0]), min(bk, grain[1]))
-        return _build(rule, layout, None, combine, T, S, bq, bk)
+            return build_block_mask(rule, layout, grain, combine, T, S, min(bq, grain[0]), min(bk, grain[1]))
+        return build_block_mask(rule, layout, None, combine, T, S, bq, bk)
 
     if b.rule is None and b.layout is None:  # b allows every pair: and keeps a, or gives b
         a, b = b, a
@@ -875,8 +874,8 @@ def check_block_mask(mask: Any, name: str, batch: int, heads: int, q_len: int, k
     if (mask.q_len, mask.kv_len) != (q_len, kv_len):
         raise ValueError(f"{name} covers lengths {(mask.q_len, mask.kv_len)}, the inputs "
                          f"{(q_len, kv_len)}")
-    _check_block(f"{name}.q_block", mask.q_block)
-    _check_block(f"{name}.kv_block", mask.kv_block)
+    power_of_two(mask.q_block, f"{name}.q_block")
+    power_of_two(mask.kv_block, f"{name}.kv_block")
     shape = tuple(getattr(mask.kinds, "shape", ()))
     if len(shape) != 4:
         hint = (": its arrays have a leading axis from jax.vmap; use it inside the same vmap, or "
