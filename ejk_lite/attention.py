@@ -1130,7 +1130,7 @@ def _reference_spec(query, key, value, softmax_aux, bias, spec: _MaskSpec, scale
     # cap, whose derivative at a NaN would be NaN even where the select passes back a zero.
     bad_pair = non_finite_rows(q)[..., :, None] | non_finite_rows(k)[..., None, :]
     s = jnp.where(visible, s + jnp.where(bad_pair, jnp.nan, 0.0), -jnp.inf)
-    m = jnp.max(s, axis=-1)
+    m = jnp.max(s, axis=-1, initial=-jnp.inf)  # initial: no key at all (S = 0) is a row too
     if softmax_aux is not None:
         sink = softmax_aux.astype(dtype)[None, :, None]
         m = jnp.maximum(m, sink)

@@ -35,8 +35,9 @@ def static_int(value: Any, name: str, minimum: int = 0) -> int:
 
 
 def static_float(value: Any, name: str) -> float:
-    """``value`` as a Python ``float`` if it is a real number: Python, NumPy, or a concrete 0-d
-    JAX array of a real dtype (not a bool, not a tracer)."""
+    """``value`` as a Python ``float`` if it is a finite real number: Python, NumPy, or a concrete
+    0-d JAX array of a real dtype (not a bool, not a tracer). ``nan`` and ``inf`` are refused:
+    as a scale they would only turn every output into NaN or inf."""
     real = isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
     if not real and getattr(value, "shape", None) == () and hasattr(value, "dtype"):
         dtype = jnp.dtype(value.dtype)
@@ -45,6 +46,8 @@ def static_float(value: Any, name: str) -> float:
     if not real:
         raise ValueError(f"{name} must be a Python or NumPy real number (static under jax.jit), "
                          f"got {value!r}")
+    if not np.isfinite(float(value)):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
     return float(value)
 
 

@@ -237,8 +237,15 @@ def identity_dtype_convert(dtype: Any):
     """An identity function whose gradient is cast to ``dtype`` on the way back.
 
     Useful in mixed precision: ``f = identity_dtype_convert(jnp.float32); y = f(x_bf16)`` leaves
-    the forward value alone and hands ``x``'s consumers an fp32 cotangent.
+    the forward value alone and hands ``x``'s consumers an fp32 cotangent. ``dtype`` must be a
+    floating dtype (checked here, not when the gradient is taken).
     """
+    try:
+        dtype = jnp.dtype(dtype)
+    except TypeError as error:
+        raise ValueError(f"dtype must be a floating dtype, got {dtype!r}") from error
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"dtype must be a floating dtype, got {dtype}")
 
     @jax.custom_vjp
     def identity(x):
