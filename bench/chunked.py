@@ -1,0 +1,315 @@
+"""Benchmark ejk_lite.chunked_recurrent against flash-linear-attention's chunk kernels, bf16.
+
+Two gates at B4 T4096 H16 K=V=128, forward and forward + backward (``jax.vjp`` of the output with
+a random cotangent; the final state is not used):
+
+* a scalar gate ``g`` ``[B, T, H]``: peer ``fla.ops.simple_gla.chunk_simple_gla``;
+* a per-key gate ``gk`` ``[B, T, H, K]``: peer ``fla.ops.gla.chunk_gla`` (which calls it ``g``).
+
+Our token-by-token :func:`ejk_lite.recurrent` runs on the same inputs for reference. The peers run
+in PyTorch on the same arrays (``torch.from_dlpack``). Both sides compute the same function: fla
+(>= 0.2, ``[B, T, H, K]`` layouts) takes natural-log gates (it multiplies them by 1/ln 2 itself
+before its ``exp2``), ``h_t = exp(g_t) h_{t-1} + k_t^T v_t``, ``o_t = scale q_t h_t``, with
+``scale = K ** -0.5`` passed explicitly to both.
+
+Checks, for every timed configuration of ours (the script writes the JSON, then exits 1 if one
+fails): output and every input's gradient against fla's on the full inputs, and against the float32
+``ejk_lite.linear_attention.reference`` (a ``lax.scan``) on the first ``CHECK_SEQ_LEN`` tokens;
+relative L2 error within ``TOL``. The commit comes from ``$EJK_COMMIT`` or
+``bench/results/.commit`` (``python bench/gpu_check.py prepare``), else ``git rev-parse HEAD``.
+
+    python bench/chunked.py --out bench/results                  # GPU
+    python bench/chunked.py --quick --out /tmp/bench_chunked     # tiny shapes, CPU interpreter
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import ejk_lite  # noqa: E402
+
+if ejk_lite.ON_GPU:
+    # Import jax-triton now, through ejk_lite, which keeps TRITON_CACHE_DIR usable for fla's kernels.
+    ejk_lite.launch._import_jax_triton()
+from common import (  # noqa: E402
+    ceilings,
+    event_samples_ms,
+    parse_args,
+    print_table,
+    relative_error,
+    row,
+    spread,
+    time_stats_ms,
+    write_result,
+)
+from ejk_lite.chunked import chunked_recurrent  # noqa: E402
+from ejk_lite.linear_attention import recurrent, reference  # noqa: E402
+
+OP = "chunked"
+ROOT = Path(__file__).resolve().parent.parent
+SHAPES = [dict(batch=4, seq_len=4096, heads=16, dim=128)]
+QUICK_SHAPES = [dict(batch=1, seq_len=40, heads=2, dim=16)]  # 40: a short last chunk (C = 16)
+CHECK_SEQ_LEN = 256  # prefix checked against the float32 reference (quick: the whole sequence)
+SAMPLES = 10
+QUICK_SAMPLES = 3
+TOL = {"out": 2e-2, "grad": 4e-2}  # relative L2 of bf16 results, as bench/attention.py
+# Our kernels, also in --quick runs on a CPU (where impl="auto" would pick the reference).
+OURS = {"chunked": functools.partial(chunked_recurrent, impl="triton"),
+        "recurrent": functools.partial(recurrent, impl="triton")}
+QUICK_CHUNK_SIZE = 16  # several chunks in a short sequence
+PEER = {"g": "fla.ops.simple_gla.chunk_simple_gla", "gk": "fla.ops.gla.chunk_gla"}
+
+START = time.perf_counter()
+
+
+def log(message: str) -> None:
+    print(f"[{time.perf_counter() - START:7.1f}s] {message}", flush=True)
+
+
+def make_inputs(seed, batch, seq_len, heads, dim, gate):
+    """bf16 q, k, v and one gate, fresh normals; the cotangent of the output."""
+    kq, kk, kv, kg, kd = jax.random.split(jax.random.key(seed), 5)
+    shape = (batch, seq_len, heads, dim)
+    inputs = dict(query=jax.random.normal(kq, shape, jnp.bfloat16),
+                  key=jax.random.normal(kk, shape, jnp.bfloat16),
+                  value=jax.random.normal(kv, shape, jnp.bfloat16))
+    # Log-decays in (-inf, 0), most of them mild, as a trained GLA layer has (as bench/recurrent.py).
+    gate_shape = shape[:3] if gate == "g" else shape
+    logits = jax.random.normal(kg, gate_shape, jnp.float32) + 4.0
+    inputs[gate] = jax.nn.log_sigmoid(logits).astype(jnp.bfloat16)
+    d_o = jax.random.normal(kd, shape, jnp.bfloat16)
+    return inputs, d_o
+
+
+def prefix(inputs, length):
+    return {name: x[:, :length] for name, x in inputs.items()}
+
+
+def forward_fn(op, scale):
+    return jax.jit(lambda inputs: op(**inputs, softmax_scale=scale)[0])
+
+
+def forward_backward_fn(op, scale):
+    """``(o, gradients of every input)`` for the cotangent ``d_o`` of ``o`` (final state unused)."""
+    def run(inputs, d_o):
+        o, pullback = jax.vjp(lambda x: op(**x, softmax_scale=scale)[0], inputs)
+        return o, pullback(d_o)[0]
+    return jax.jit(run)
+
+
+def errors(o, grads, ref_o, ref_grads) -> dict[str, float]:
+    """Relative errors: ``out`` and one ``d<input>`` per gradient."""
+    found = {"out": relative_error(o, ref_o)}
+    found.update({f"d{name}": relative_error(grads[name], ref_grads[name]) for name in ref_grads})
+    return found
+
+
+def past_tolerance(err: dict[str, float]) -> list[str]:
+    return [f"{name} {e:.3g} > {TOL['out' if name == 'out' else 'grad']}" for name, e in err.items()
+            if not e <= TOL["out" if name == "out" else "grad"]]
+
+
+def commit() -> str | None:
+    """The commit the tree was taken from (see the module docstring)."""
+    if os.environ.get("EJK_COMMIT"):
+        return os.environ["EJK_COMMIT"]
+    recorded = ROOT / "bench" / "results" / ".commit"
+    if recorded.exists():
+        return json.loads(recorded.read_text()).get("commit")
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except Exception:  # noqa: BLE001 (no git where the benchmark runs)
+        return None
+
+
+# ----------------------------------------------------------------------------------------------
+# flash-linear-attention (PyTorch), on a GPU where it is installed.
+# ----------------------------------------------------------------------------------------------
+
+
+def load_fla():
+    if not ejk_lite.ON_GPU:
+        return None, "no GPU (fla's kernels run in PyTorch on CUDA)"
+    try:
+        import fla
+        import torch
+        from fla.ops.gla import chunk_gla
+        from fla.ops.simple_gla import chunk_simple_gla
+    except Exception as error:  # noqa: BLE001 (not installed, or no CUDA torch)
+        return None, f"{type(error).__name__}: {error}"
+    if not torch.cuda.is_available():
+        return None, "torch sees no CUDA device"
+    return dict(torch=torch, g=chunk_simple_gla, gk=chunk_gla,
+                versions={"torch": torch.__version__, "fla": getattr(fla, "__version__", "?")}), None
+
+
+def to_torch(torch, x):
+    return torch.from_dlpack(jax.block_until_ready(x)).clone()
+
+
+def run_fla(fla, gate, inputs, d_o, scale, samples):
+    """fla's output and gradients (float32 NumPy) on our inputs, and its fwd / fwd+bwd times."""
+    torch = fla["torch"]
+    kernel = fla[gate]
+    tensors = {name: to_torch(torch, x) for name, x in inputs.items()}
+    d_o_t = to_torch(torch, d_o)
+
+    def call(t):
+        # chunk_simple_gla(q, k, v, g=[B, T, H]); chunk_gla(q, k, v, g=[B, T, H, K]): natural-log gates.
+        return kernel(t["query"], t["key"], t["value"], g=t[gate], scale=scale,
+                      initial_state=None, output_final_state=False)[0]
+
+    def back(t):
+        return t.detach().float().cpu().numpy()
+
+    with torch.no_grad():
+        o = back(call(tensors))
+        fwd = spread(event_samples_ms(lambda: call(tensors), samples))
+    leaves = {name: t.detach().requires_grad_(True) for name, t in tensors.items()}
+
+    def forward_backward():
+        call(leaves).backward(d_o_t)
+
+    forward_backward()
+    grads = {name: back(t.grad) for name, t in leaves.items()}
+    fwd_bwd = spread(event_samples_ms(forward_backward, samples, grad_to_none=list(leaves.values())))
+    del leaves, tensors, d_o_t
+    torch.cuda.empty_cache()
+    return o, grads, {"fwd": fwd, "fwd+bwd": fwd_bwd}
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def main():
+    args = parse_args(__doc__.splitlines()[0])
+    quick = args.quick
+    shapes = QUICK_SHAPES if quick else SHAPES
+    samples = QUICK_SAMPLES if quick else SAMPLES
+    ops = dict(OURS)
+    if quick:
+        ops["chunked"] = functools.partial(ops["chunked"], chunk_size=QUICK_CHUNK_SIZE)
+    fla, fla_missing = load_fla()
+    log(f"fla: {'loaded ' + str(fla['versions']) if fla else 'not run: ' + fla_missing}")
+    copy_gbs, dispatch_ms = ceilings()
+    rows, summary, failures = [], {}, []
+    if fla is None and ejk_lite.ON_GPU:
+        failures.append(f"peer fla not run on the GPU: {fla_missing}")
+    for shape in shapes:
+        b, t, h, d = shape["batch"], shape["seq_len"], shape["heads"], shape["dim"]
+        scale = d ** -0.5
+        check_len = t if quick else min(t, CHECK_SEQ_LEN)
+        for gate in ("g", "gk"):
+            name = f"B{b} T{t} H{h} K=V={d} {gate}"
+            inputs, d_o = make_inputs(len(rows), b, t, h, d, gate)
+            dims = [b, t, h, d]
+            # Fewest bytes, bf16: q, k, v, the gate and o once (fwd); again with d_o and every
+            # input's gradient (fwd+bwd).
+            tensor_bytes = b * t * h * d * 2
+            gate_bytes = tensor_bytes if gate == "gk" else b * t * h * 2
+            io_bytes = 4 * tensor_bytes + gate_bytes
+            bytes_moved = {"fwd": io_bytes, "fwd+bwd": 2 * io_bytes + 2 * tensor_bytes}
+
+            # The float32 reference on a prefix (the same bf16 values, widened), once for both of
+            # ours: its output and gradients come back in float32.
+            short, short_d_o = prefix(inputs, check_len), d_o[:, :check_len]
+            wide = {n: x.astype(jnp.float32) for n, x in short.items()}
+            ref_o, ref_grads = forward_backward_fn(reference, scale)(wide, short_d_o.astype(jnp.float32))
+
+            peer = None
+            if fla is not None:
+                try:
+                    fla_o, fla_grads, fla_ms = run_fla(fla, gate, inputs, d_o, scale, samples)
+                    peer = dict(o=fla_o, grads=fla_grads, ms=fla_ms)
+                except Exception as error:  # noqa: BLE001 (recorded, and the run fails)
+                    failures.append(f"{name}: fla {PEER[gate]} raised {type(error).__name__}: "
+                                    f"{str(error)[:300]}")
+            for impl, op in ops.items():
+                fwd, fwd_bwd = forward_fn(op, scale), forward_backward_fn(op, scale)
+                ours_o, ours_grads = fwd_bwd(short, short_d_o)
+                err_ref = errors(ours_o, ours_grads, ref_o, ref_grads)
+                err_fla = None
+                if peer is not None:
+                    full_o, full_grads = fwd_bwd(inputs, d_o)
+                    err_fla = errors(full_o, full_grads, peer["o"], peer["grads"])
+                    del full_o, full_grads
+                for against, err in (("reference", err_ref), ("fla", err_fla)):
+                    if err is not None and (bad := past_tolerance(err)):
+                        failures.append(f"{name} {impl} vs {against}: {', '.join(bad)}")
+
+                stats = {"fwd": time_stats_ms(lambda: fwd(inputs), samples),
+                         "fwd+bwd": time_stats_ms(lambda: fwd_bwd(inputs, d_o), samples)}
+                for direction in ("fwd", "fwd+bwd"):
+                    st = stats[direction]
+                    extra = dict(min_ms=st["min_ms"], max_ms=st["max_ms"], samples=st["samples"],
+                                 calls_per_sample=st["calls_per_sample"],
+                                 rel_err_vs_reference=err_ref, checked_seq_len=check_len)
+                    if peer is not None:
+                        extra["rel_err_vs_fla"] = err_fla
+                        extra["speedup_vs_fla"] = peer["ms"][direction]["median_ms"] / st["median_ms"]
+                        summary[f"{name} {impl} {direction}"] = round(extra["speedup_vs_fla"], 3)
+                    worst = err_ref["out"] if direction == "fwd" else max(
+                        e for n, e in err_ref.items() if n != "out")
+                    rows.append(row(name, impl, direction, dims, "bfloat16", st["median_ms"],
+                                    bytes_moved=bytes_moved[direction], copy_gbs=copy_gbs,
+                                    rel_err=worst, gate=gate, **extra))
+                log(f"{name} {impl}: fwd {stats['fwd']['median_ms']:.4g} ms, fwd+bwd "
+                    f"{stats['fwd+bwd']['median_ms']:.4g} ms; vs reference {fmt_err(err_ref)}"
+                    + (f"; vs fla {fmt_err(err_fla)}" if err_fla else ""))
+            if peer is not None:
+                for direction in ("fwd", "fwd+bwd"):
+                    st = peer["ms"][direction]
+                    rows.append(row(name, "fla", direction, dims, "bfloat16", st["median_ms"],
+                                    bytes_moved=bytes_moved[direction], copy_gbs=copy_gbs, gate=gate,
+                                    min_ms=st["min_ms"], max_ms=st["max_ms"], samples=st["samples"],
+                                    calls_per_sample=st["calls_per_sample"], peer=PEER[gate]))
+            del inputs, d_o, peer
+
+    payload = dict(
+        commit=commit(), quick=quick, copy_bandwidth_gbs=copy_gbs, dispatch_overhead_ms=dispatch_ms,
+        peer_fla=(f"fla {fla['versions']['fla']} (torch {fla['versions']['torch']}): "
+                  f"{PEER['g']} (g), {PEER['gk']} (gk)") if fla else f"not run: {fla_missing}",
+        peer_versions=fla["versions"] if fla else None,
+        target="chunked at least as fast as fla's chunk kernels, forward and forward+backward",
+        tolerance=TOL, speedups_vs_fla=summary, failures=failures, passed=not failures, rows=rows,
+        notes=("bf16 q, k, v, log-gates and cotangent; fp32 state. fwd: the output; fwd+bwd: jax.vjp "
+               "of the output (final state unused) with a random cotangent, every input's gradient "
+               "(fla: loss.backward with the same cotangent). Times: min / median / max over "
+               f"{samples} samples: on a GPU CUDA events, L2 flushed before each (common.time_stats_ms "
+               "for ours, common.event_samples_ms for fla); on a CPU (--quick) the wall clock of the "
+               "interpreter, which only shows that the script runs. rel_err: the worst of the output (fwd) or "
+               f"of the gradients (fwd+bwd) against the float32 lax.scan reference on the first "
+               "checked_seq_len tokens; rel_err_vs_reference / rel_err_vs_fla hold each one "
+               "(vs fla: full inputs, fla's result as the reference). 'recurrent' is our "
+               "token-by-token kernel on the same inputs. bytes: each input and output once."),
+    )
+    path = write_result(args.out, OP, payload)
+    log(f"wrote {path}")
+    print_table(rows, ["name", "impl", "direction", "median_ms", "min_ms", "max_ms", "gbs", "rel_err",
+                       "speedup_vs_fla"])
+    if failures:
+        print(f"FAILED ({len(failures)}):", file=sys.stderr)
+        for failure in failures:
+            print("  " + failure, file=sys.stderr)
+        sys.exit(1)
+
+
+def fmt_err(err: dict[str, float]) -> str:
+    return " ".join(f"{name} {e:.2g}" for name, e in err.items())
+
+
+if __name__ == "__main__":
+    main()
