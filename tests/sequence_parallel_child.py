@@ -1,0 +1,312 @@
+"""Run by ``test_sequence_parallel.py`` in a child process whose JAX sees four CPU devices.
+
+``--xla_force_host_platform_device_count`` must be set before JAX starts, so these cases cannot
+run in the pytest process (whose JAX has long started with one device)::
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python sequence_parallel_child.py GROUP
+
+``GROUP`` is ``attention``, ``zigzag``, ``recurrent``, ``packed`` or ``errors``. Every case runs
+the op under ``jax.shard_map`` on a mesh of 1, 2 and 4 shards, and prints one JSON line: the
+relative errors of the output and of every gradient against the float64 reference on the whole
+sequence (``"reference"``) and against the same op on one device (``"one_device"``); an error
+case prints the exception's type and message instead. The parent asserts.
+"""
+
+import functools
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+import ejk_lite  # noqa: F401  (settles TRITON_INTERPRET before the kernels are defined)
+from ejk_lite import BlockSizes, blocksparse_attention, make_block_mask, recurrent
+from ejk_lite import sequence_parallel as sp
+from ejk_lite.attention import reference as attention_reference
+from ejk_lite.recurrent import reference as recurrent_reference
+
+SHARDS = (1, 2, 4)
+BLOCKS = BlockSizes(16, 16)  # the smallest tl.dot tile: several tiles per shard
+rng = np.random.default_rng(20260)
+
+
+def mesh(n):
+    return jax.make_mesh((n,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:n])
+
+
+def rel_err(out, ref):
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    if out.shape != ref.shape:
+        return f"shape {out.shape} != {ref.shape}"
+    if not np.all(np.isfinite(out)):
+        return float("inf")
+    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def compare(case, n, fn, one_device, reference, arrays, cotangent_like=None):
+    """Output and gradients (of every array argument, by ``jax.vjp`` with a random cotangent) of
+    ``fn`` (the sharded op), against ``one_device`` (float32) and ``reference`` (float64)."""
+    out, vjp = jax.vjp(jax.jit(fn), *arrays)
+    cotangent = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), x.dtype), out)
+    grads = jax.jit(vjp)(cotangent)
+    one_out, one_vjp = jax.vjp(one_device, *arrays)
+    one_grads = one_vjp(cotangent)
+    with jax.enable_x64(True):
+        arrays64 = [jnp.asarray(np.asarray(a), jnp.float64) for a in arrays]
+        ref_out, ref_vjp = jax.vjp(reference, *arrays64)
+        ref_grads = ref_vjp(jax.tree.map(lambda c: jnp.asarray(np.asarray(c), jnp.float64),
+                                         cotangent))
+    results = {"reference": {}, "one_device": {}}
+    for name, got, one, ref in [("output", out, one_out, ref_out),
+                                *((f"d{i}", g, o, r) for i, (g, o, r)
+                                  in enumerate(zip(grads, one_grads, ref_grads)))]:
+        for k, (a, b, c) in enumerate(zip(jax.tree.leaves(got), jax.tree.leaves(one),
+                                          jax.tree.leaves(ref))):
+            key = name if k == 0 else f"{name}.{k}"
+            results["reference"][key] = rel_err(a, c)
+            results["one_device"][key] = rel_err(a, b)
+    print(json.dumps({"case": case, "shards": n, **results}), flush=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention.
+# ----------------------------------------------------------------------------------------------
+
+B, HQ, HKV, T, D = 2, 4, 2, 48, 16  # 48 tokens: 12 per shard of 4, not a multiple of the tile
+
+
+def attention_inputs(t=T, sinks=False):
+    def normal(*shape):
+        return jnp.asarray(rng.normal(size=shape), jnp.float32)
+    arrays = [normal(B, HQ, t, D), normal(B, HKV, t, D), normal(B, HKV, t, D)]
+    if sinks:
+        arrays.append(normal(HQ))
+    return arrays
+
+
+def documents(t):
+    """Segment ids [B, t]: documents of several lengths, crossing shard boundaries, different per
+    row (one row a single document)."""
+    lengths = [[5, 14, 1, 20, t - 40], [t]]
+    return jnp.asarray(np.stack([np.repeat(np.arange(len(row)), row) for row in lengths]),
+                       jnp.int32)
+
+
+ATTENTION_CASES = {
+    "causal": dict(),
+    "full": dict(causal=False),
+    "window": dict(sliding_window=(7, 0)),
+    "window_both_sides": dict(causal=False, sliding_window=(5, 9)),
+    "documents": dict(segments=True),
+    "documents_window_sinks": dict(segments=True, sliding_window=(6, 0), sinks=True),
+}
+
+
+def run_attention_case(name, spec, n, order=None):
+    """The op sharded over ``n`` shards against the whole-sequence op; ``order``: a permutation of
+    the tokens (the zigzag layout), applied before sharding, positions passed explicitly."""
+    options = dict(spec)
+    segments, sinks = options.pop("segments", False), options.pop("sinks", False)
+    arrays = attention_inputs(sinks=sinks)
+    seg = documents(T) if segments else None
+    pos = None if order is None else jnp.asarray(order, jnp.int32)[None]
+
+    def whole(fn, q, k, v, *aux):
+        kw = dict(options, softmax_aux=aux[0] if aux else None)
+        if seg is not None:
+            kw.update(q_segment_ids=seg, kv_segment_ids=seg)
+        return fn(q, k, v, **kw)
+
+    def sharded(q, k, v, *aux):
+        # The layout: tokens permuted (zigzag) or not, then sliced contiguously by shard_map.
+        perm = (lambda x, axis: x) if order is None else (lambda x, axis: jnp.take(x, order, axis))
+        ids = [] if seg is None else [perm(seg, 1)]
+        ids += [] if pos is None else [pos]
+
+        def local(q, k, v, *rest):
+            rest = list(rest)
+            kw = dict(options, softmax_aux=rest.pop(0) if aux else None)
+            if seg is not None:
+                s = rest.pop(0)
+                kw.update(q_segment_ids=s, kv_segment_ids=s)
+            if pos is not None:
+                p = rest.pop(0)
+                kw.update(q_positions=p, kv_positions=p)
+            return blocksparse_attention(q, k, v, fwd_blocks=BLOCKS, bwd_blocks=BLOCKS,
+                                         sequence_parallelism_mesh_axis_name="sp", **kw)
+
+        seq = P(None, None, "sp")
+        f = jax.shard_map(local, mesh=mesh(n),
+                          in_specs=(seq,) * 3 + (P(),) * len(aux) + (P(None, "sp"),) * len(ids),
+                          out_specs=seq)
+        out = f(perm(q, 2), perm(k, 2), perm(v, 2), *aux, *ids)
+        return out if order is None else jnp.take(out, np.argsort(order), 2)
+
+    one = functools.partial(whole, functools.partial(blocksparse_attention, fwd_blocks=BLOCKS,
+                                                     bwd_blocks=BLOCKS))
+    compare(name, n, sharded, one, functools.partial(whole, attention_reference), arrays)
+
+
+def group_attention():
+    for name, spec in ATTENTION_CASES.items():
+        for n in SHARDS:
+            run_attention_case(name, spec, n)
+
+
+def group_zigzag():
+    for name in ("causal", "documents", "window"):
+        for n in SHARDS:
+            run_attention_case(f"zigzag_{name}", ATTENTION_CASES[name], n,
+                               order=sp.zigzag_indices(T, n))
+    # The balance itself: tiles each shard's queries visit under a causal mask (its work), from
+    # the block mask the kernel would use, contiguous slices against the zigzag layout.
+    t, n, block = 256, 4, 16
+    for layout, order in (("contiguous", np.arange(t)), ("zigzag", sp.zigzag_indices(t, n))):
+        tiles = []
+        for i in range(n):
+            q_pos = jnp.asarray(order[i * t // n:(i + 1) * t // n])[None]
+            mask = make_block_mask(t // n, t, q_block=block, kv_block=block, causal=True,
+                                   q_positions=q_pos, kv_positions=jnp.asarray(order)[None])
+            tiles.append(int(np.sum(np.asarray(mask.kinds) != 0)))
+        print(json.dumps({"case": f"balance_{layout}", "tiles": tiles}), flush=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Linear attention.
+# ----------------------------------------------------------------------------------------------
+
+RB, RH, RHKV, RK, RV = 2, 4, 2, 5, 6
+
+
+def recurrent_inputs(batch, t, gates, with_state, num_states=None, gate_scale=1.0):
+    def normal(*shape):
+        return rng.normal(size=shape)
+
+    def log_gate(*shape):  # log(sigmoid(x)): decays in (0, 1)
+        return -np.logaddexp(0.0, -gate_scale * normal(*shape))
+
+    arrays = dict(query=normal(batch, t, RH, RK), key=normal(batch, t, RHKV, RK),
+                  value=normal(batch, t, RHKV, RV))
+    shapes = dict(g=(batch, t, RH), g_gamma=(RH,), gk=(batch, t, RH, RK), gv=(batch, t, RH, RV))
+    for gate in gates:
+        arrays[gate] = log_gate(*shapes[gate])
+    if with_state:
+        arrays["initial_state"] = normal(num_states or batch, RH, RK, RV)
+    return {k: jnp.asarray(x, jnp.float32) for k, x in arrays.items()}
+
+
+def run_recurrent_case(name, n, arrays, cu_seqlens=None, reverse=False):
+    names = list(arrays)
+    sequence_axis = {"query", "key", "value", "g", "gk", "gv"}
+    specs = tuple(P(None, "sp") if k in sequence_axis else P() for k in names)
+
+    def call(fn, *xs, **kw):
+        return fn(**dict(zip(names, xs)), reverse=reverse, cu_seqlens=cu_seqlens, **kw)
+
+    def sharded(*xs):
+        local = functools.partial(call, recurrent, sequence_parallelism_mesh_axis_name="sp")
+        return jax.shard_map(local, mesh=mesh(n), in_specs=specs,
+                             out_specs=(P(None, "sp"), P()))(*xs)
+
+    compare(name, n, sharded, functools.partial(call, recurrent),
+            functools.partial(call, recurrent_reference), [arrays[k] for k in names])
+
+
+GATES = {"none": (), "g": ("g",), "g_gamma": ("g_gamma",), "gk": ("gk",), "gv": ("gv",),
+         "all": ("g", "g_gamma", "gk", "gv")}
+
+
+def group_recurrent():
+    t = 16  # 4 tokens per shard of 4
+    for gate, gates in GATES.items():
+        for reverse in (False, True):
+            arrays = recurrent_inputs(RB, t, gates, with_state=True)
+            for n in SHARDS:
+                run_recurrent_case(f"{gate}{'_reverse' if reverse else ''}", n, arrays,
+                                   reverse=reverse)
+    arrays = recurrent_inputs(RB, t, ("g", "gk"), with_state=False)
+    for n in SHARDS:
+        run_recurrent_case("no_initial_state", n, arrays)
+
+
+def group_packed():
+    t = 24  # 6 tokens per shard of 4, 12 per shard of 2
+    # Sequences: [0, 5), an empty one, [5, 13) across two boundaries (of 4 shards: tokens 5 |
+    # 6-11 | 12, one whole shard in between), [13, 18) ending on a boundary, [18, 21), and three
+    # tokens of padding that belong to none.
+    cu = np.array([0, 5, 5, 13, 18, 21], np.int32)
+    for gate, gates in (("none", ()), ("g_gk", ("g", "gk")), ("all", GATES["all"])):
+        for reverse in (False, True):
+            arrays = recurrent_inputs(1, t, gates, with_state=True, num_states=len(cu) - 1)
+            for n in SHARDS:
+                run_recurrent_case(f"packed_{gate}{'_reverse' if reverse else ''}", n, arrays,
+                                   cu_seqlens=cu, reverse=reverse)
+    # One sequence over every shard, ending before the last token.
+    arrays = recurrent_inputs(1, t, ("g",), with_state=True, num_states=1)
+    for n in SHARDS:
+        run_recurrent_case("packed_one_long", n, arrays, cu_seqlens=np.array([0, 22], np.int32))
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad arguments.
+# ----------------------------------------------------------------------------------------------
+
+
+def raises(case, thunk):
+    try:
+        thunk()
+    except Exception as error:  # the parent checks the type and the message
+        print(json.dumps({"case": case, "raised": type(error).__name__,
+                          "message": str(error)}), flush=True)
+    else:
+        print(json.dumps({"case": case, "raised": None}), flush=True)
+
+
+def group_errors():
+    q, k, v = attention_inputs(t=16)
+    seq = P(None, None, "sp")
+
+    def attn(axis_name, check_vma=True, **kw):
+        local = functools.partial(blocksparse_attention, fwd_blocks=BLOCKS, bwd_blocks=BLOCKS,
+                                  sequence_parallelism_mesh_axis_name=axis_name, **kw)
+        return jax.shard_map(local, mesh=mesh(2), in_specs=(seq,) * 3, out_specs=seq,
+                             check_vma=check_vma)(q, k, v)
+
+    raises("attention_unbound_axis", lambda: attn("nope"))
+    raises("attention_axis_not_a_str", lambda: attn(0))
+    raises("attention_outside_shard_map", lambda: blocksparse_attention(
+        q, k, v, sequence_parallelism_mesh_axis_name="sp"))
+    raises("attention_check_vma_off", lambda: attn("sp", check_vma=False))
+    raises("attention_layout", lambda: attn("sp", qkv_layouts=np.ones((1, 1), bool),
+                                            chunk_size=16))
+    raises("attention_positions_whole_sequence", lambda: attn(
+        "sp", q_positions=jnp.arange(16)[None], kv_positions=jnp.arange(16)[None]))
+    raises("attention_seq_len_does_not_divide", lambda: jax.shard_map(
+        lambda q, k, v: blocksparse_attention(q, k, v, sequence_parallelism_mesh_axis_name="sp"),
+        mesh=mesh(4), in_specs=(seq,) * 3, out_specs=seq)(q[:, :, :10], k[:, :, :10],
+                                                            v[:, :, :10]))
+    raises("zigzag_seq_len_does_not_divide", lambda: sp.zigzag_indices(12, 4))
+
+    arrays = recurrent_inputs(1, 8, ("g",), with_state=False)
+
+    def rec(axis_name="sp", cu=None, n=2, xs=arrays):
+        local = functools.partial(recurrent, sequence_parallelism_mesh_axis_name=axis_name,
+                                  cu_seqlens=cu)
+        return jax.shard_map(local, mesh=mesh(n), in_specs=(P(None, "sp"),) * len(xs),
+                             out_specs=(P(None, "sp"), P()))(*xs.values())
+
+    raises("recurrent_unbound_axis", lambda: rec("nope"))
+    raises("recurrent_axis_not_a_str", lambda: rec(("sp",)))
+    raises("recurrent_cu_seqlens_past_the_end", lambda: rec(cu=np.array([0, 3, 9], np.int32)))
+    raises("recurrent_cu_seqlens_batch", lambda: rec(cu=np.array([0, 3, 8], np.int32),
+                                                     xs=recurrent_inputs(2, 8, (), False)))
+    raises("recurrent_seq_len_does_not_divide", lambda: rec(n=4, xs=recurrent_inputs(
+        1, 10, (), False)))
+
+
+if __name__ == "__main__":
+    assert len(jax.devices()) == 4, "run with XLA_FLAGS=--xla_force_host_platform_device_count=4"
+    globals()[f"group_{sys.argv[1]}"]()
