@@ -50,6 +50,7 @@ import triton.language as tl
 from jax import Array
 
 from ejk_lite.launch import triton_call
+from ejk_lite import sequence_parallel
 from ejk_lite.masking import (EMPTY, BlockMask, TokenRule, _build, _check_block, _check_layout,
                               check_block_mask, combine_rules, dense_mask, restrict, token_rule)
 
@@ -1177,6 +1178,7 @@ def blocksparse_attention(
     fwd_blocks: BlockSizes | None = None,
     bwd_blocks: BlockSizes | tuple[BlockSizes, BlockSizes] | None = None,
     impl: str = "auto",
+    sequence_parallelism_mesh_axis_name: str | None = None,
 ) -> Array:
     """Attention that visits only the tiles its mask lists; differentiable in query, key, value,
     ``softmax_aux`` and ``bias``.
@@ -1213,6 +1215,9 @@ def blocksparse_attention(
             ``(dkv, dq)``, one per kernel (``BlockSizes.backward`` by default).
         impl: ``"triton"``, ``"xla"`` (the dense :func:`reference`) or ``"auto"`` (Triton where the
             kernels support the call, else XLA).
+        sequence_parallelism_mesh_axis_name: inside ``jax.shard_map``, the mesh axis the sequence
+            is split over: the arrays are this shard's slices, the result the one of the whole
+            sequence (:mod:`ejk_lite.sequence_parallel`).
 
     A pair is visible iff every rule given holds. A query row that sees no key gets zeros (and
     passes no gradient). Keys a row cannot see do not exist for it: a NaN in ``q``, ``k`` or ``v``
@@ -1222,6 +1227,8 @@ def blocksparse_attention(
     ``jit``, ``grad`` and ``vmap``, nested too: mapped axes fold into the batch axis, one launch.
     Returns ``[B, Hq, T, Dv]`` in the query's dtype.
     """
+    if sequence_parallelism_mesh_axis_name is not None:  # each shard holds a slice of the sequence
+        return sequence_parallel.attention(blocksparse_attention, **locals())
     if impl not in ("auto", "triton", "xla"):
         raise ValueError(f"impl must be 'auto', 'triton' or 'xla', got {impl!r}")
     if fwd_blocks is not None and not isinstance(fwd_blocks, BlockSizes):

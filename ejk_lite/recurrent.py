@@ -70,6 +70,7 @@ from jax import Array
 from ejk_lite.checks import check_floating, static_float
 from ejk_lite.cumsum import chunk_global_cumsum
 from ejk_lite.launch import triton_call, vmap_by_folding
+from ejk_lite import sequence_parallel
 from ejk_lite.packing import cdiv, checked_cu_seqlens, prepare_sequence_ids, sanitize_cu_seqlens
 
 
@@ -792,6 +793,7 @@ def recurrent(
     initial_state: Array | None = None,
     reverse: bool = False,
     cu_seqlens: Array | None = None,
+    sequence_parallelism_mesh_axis_name: str | None = None,
 ) -> tuple[Array, Array]:
     """Recurrent linear attention with Triton kernels, differentiable in every array argument.
 
@@ -811,6 +813,9 @@ def recurrent(
             ``cu_seqlens[-1]`` belong to no sequence; their output is zero. Checked when
             concrete; traced under ``jax.jit``, invalid values are replaced by the nearest valid
             packing (:func:`ejk_lite.packing.sanitize_cu_seqlens`): wrong numbers, never a crash.
+        sequence_parallelism_mesh_axis_name: inside ``jax.shard_map``, the mesh axis the sequence
+            is split over: per-token arrays are this shard's slices, ``cu_seqlens`` the global
+            offsets (:mod:`ejk_lite.sequence_parallel`).
 
     Returns:
         ``(o, final_state)``: ``o`` ``[B, T, H, V]`` in the query's dtype and ``final_state``
@@ -823,6 +828,8 @@ def recurrent(
         inputs would run the recurrence in integer arithmetic), an invalid ``cu_seqlens`` or a
         ``softmax_scale`` that is not a number.
     """
+    if sequence_parallelism_mesh_axis_name is not None:  # each shard holds a slice of the sequence
+        return sequence_parallel.linear_attention(recurrent, **locals())
     cu_seqlens = _validate(query, key, value, g, g_gamma, gk, gv, initial_state, cu_seqlens)
     scale = _scale(softmax_scale, query.shape[-1])
     blocks = _block_sizes(query.shape[-1], value.shape[-1])
