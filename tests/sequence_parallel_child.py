@@ -5,7 +5,7 @@ run in the pytest process (whose JAX has long started with one device)::
 
     XLA_FLAGS=--xla_force_host_platform_device_count=4 python sequence_parallel_child.py GROUP
 
-``GROUP`` is ``attention``, ``zigzag``, ``recurrent``, ``packed`` or ``errors``. Every case runs
+``GROUP`` is ``attention``, ``zigzag``, ``balance``, ``recurrent``, ``packed`` or ``errors``. Every case runs
 the op under ``jax.shard_map`` on a mesh of 1, 2 and 4 shards, and prints one JSON line: the
 relative errors of the output and of every gradient against the float64 reference on the whole
 sequence (``"reference"``) and against the same op on one device (``"one_device"``); an error
@@ -46,36 +46,38 @@ def rel_err(out, ref):
     return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
-def compare(case, n, fn, one_device, reference, arrays, cotangent_like=None):
-    """Output and gradients (of every array argument, by ``jax.vjp`` with a random cotangent) of
-    ``fn`` (the sharded op), against ``one_device`` (float32) and ``reference`` (float64)."""
-    out, vjp = jax.vjp(jax.jit(fn), *arrays)
-    cotangent = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), x.dtype), out)
-    grads = jax.jit(vjp)(cotangent)
-    one_out, one_vjp = jax.vjp(one_device, *arrays)
-    one_grads = one_vjp(cotangent)
+def compare(case, sharded, one_device, reference, arrays):
+    """Output and gradients (of every array argument, by ``jax.vjp`` with one random cotangent)
+    of ``sharded(n)`` (the op over ``n`` shards) for every ``n`` in ``SHARDS``, against
+    ``one_device`` (float32) and ``reference`` (float64), each computed once."""
+    one_out, one_vjp = jax.vjp(jax.jit(one_device), *arrays)
+    cotangent = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), x.dtype), one_out)
+    one_grads = jax.jit(one_vjp)(cotangent)
     with jax.enable_x64(True):
         arrays64 = [jnp.asarray(np.asarray(a), jnp.float64) for a in arrays]
-        ref_out, ref_vjp = jax.vjp(reference, *arrays64)
-        ref_grads = ref_vjp(jax.tree.map(lambda c: jnp.asarray(np.asarray(c), jnp.float64),
-                                         cotangent))
-    results = {"reference": {}, "one_device": {}}
-    for name, got, one, ref in [("output", out, one_out, ref_out),
-                                *((f"d{i}", g, o, r) for i, (g, o, r)
-                                  in enumerate(zip(grads, one_grads, ref_grads)))]:
-        for k, (a, b, c) in enumerate(zip(jax.tree.leaves(got), jax.tree.leaves(one),
-                                          jax.tree.leaves(ref))):
-            key = name if k == 0 else f"{name}.{k}"
-            results["reference"][key] = rel_err(a, c)
-            results["one_device"][key] = rel_err(a, b)
-    print(json.dumps({"case": case, "shards": n, **results}), flush=True)
+        ref_out, ref_vjp = jax.vjp(jax.jit(reference), *arrays64)
+        ref_grads = jax.jit(ref_vjp)(jax.tree.map(
+            lambda c: jnp.asarray(np.asarray(c), jnp.float64), cotangent))
+    for n in SHARDS:
+        out, vjp = jax.vjp(jax.jit(sharded(n)), *arrays)
+        grads = jax.jit(vjp)(cotangent)
+        results = {"reference": {}, "one_device": {}}
+        for name, got, one, ref in [("output", out, one_out, ref_out),
+                                    *((f"d{i}", g, o, r) for i, (g, o, r)
+                                      in enumerate(zip(grads, one_grads, ref_grads)))]:
+            for k, (a, b, c) in enumerate(zip(jax.tree.leaves(got), jax.tree.leaves(one),
+                                              jax.tree.leaves(ref))):
+                key = name if k == 0 else f"{name}.{k}"
+                results["reference"][key] = rel_err(a, c)
+                results["one_device"][key] = rel_err(a, b)
+        print(json.dumps({"case": case, "shards": n, **results}), flush=True)
 
 
 # ----------------------------------------------------------------------------------------------
 # Attention.
 # ----------------------------------------------------------------------------------------------
 
-B, HQ, HKV, T, D = 2, 4, 2, 48, 16  # 48 tokens: 12 per shard of 4, not a multiple of the tile
+B, HQ, HKV, T, D = 2, 2, 1, 48, 16  # 48 tokens: 12 per shard of 4, not a multiple of the tile
 
 
 def attention_inputs(t=T, sinks=False):
@@ -97,22 +99,20 @@ def documents(t):
 
 ATTENTION_CASES = {
     "causal": dict(),
-    "full": dict(causal=False),
-    "window": dict(sliding_window=(7, 0)),
     "window_both_sides": dict(causal=False, sliding_window=(5, 9)),
     "documents": dict(segments=True),
-    "documents_window_sinks": dict(segments=True, sliding_window=(6, 0), sinks=True),
+    "documents_causal_window_sinks": dict(segments=True, sliding_window=(6, 0), sinks=True),
 }
 
 
-def run_attention_case(name, spec, n, order=None):
-    """The op sharded over ``n`` shards against the whole-sequence op; ``order``: a permutation of
-    the tokens (the zigzag layout), applied before sharding, positions passed explicitly."""
+def run_attention_case(name, spec, zigzag=False):
+    """The op sharded over 1, 2 and 4 shards against the whole-sequence op. ``zigzag``: the tokens
+    in the zigzag layout (permuted before sharding, positions passed), the output put back in
+    order."""
     options = dict(spec)
     segments, sinks = options.pop("segments", False), options.pop("sinks", False)
     arrays = attention_inputs(sinks=sinks)
     seg = documents(T) if segments else None
-    pos = None if order is None else jnp.asarray(order, jnp.int32)[None]
 
     def whole(fn, q, k, v, *aux):
         kw = dict(options, softmax_aux=aux[0] if aux else None)
@@ -120,11 +120,12 @@ def run_attention_case(name, spec, n, order=None):
             kw.update(q_segment_ids=seg, kv_segment_ids=seg)
         return fn(q, k, v, **kw)
 
-    def sharded(q, k, v, *aux):
+    def sharded(n, q, k, v, *aux):
         # The layout: tokens permuted (zigzag) or not, then sliced contiguously by shard_map.
-        perm = (lambda x, axis: x) if order is None else (lambda x, axis: jnp.take(x, order, axis))
-        ids = [] if seg is None else [perm(seg, 1)]
-        ids += [] if pos is None else [pos]
+        def layout(x, axis):
+            return sp.zigzag(x, n, axis) if zigzag else x
+        ids = [] if seg is None else [layout(seg, 1)]
+        ids += [jnp.asarray(sp.zigzag_indices(T, n))[None]] if zigzag else []
 
         def local(q, k, v, *rest):
             rest = list(rest)
@@ -132,7 +133,7 @@ def run_attention_case(name, spec, n, order=None):
             if seg is not None:
                 s = rest.pop(0)
                 kw.update(q_segment_ids=s, kv_segment_ids=s)
-            if pos is not None:
+            if zigzag:
                 p = rest.pop(0)
                 kw.update(q_positions=p, kv_positions=p)
             return blocksparse_attention(q, k, v, fwd_blocks=BLOCKS, bwd_blocks=BLOCKS,
@@ -142,25 +143,26 @@ def run_attention_case(name, spec, n, order=None):
         f = jax.shard_map(local, mesh=mesh(n),
                           in_specs=(seq,) * 3 + (P(),) * len(aux) + (P(None, "sp"),) * len(ids),
                           out_specs=seq)
-        out = f(perm(q, 2), perm(k, 2), perm(v, 2), *aux, *ids)
-        return out if order is None else jnp.take(out, np.argsort(order), 2)
+        out = f(layout(q, 2), layout(k, 2), layout(v, 2), *aux, *ids)
+        return sp.unzigzag(out, n, 2) if zigzag else out
 
     one = functools.partial(whole, functools.partial(blocksparse_attention, fwd_blocks=BLOCKS,
                                                      bwd_blocks=BLOCKS))
-    compare(name, n, sharded, one, functools.partial(whole, attention_reference), arrays)
+    compare(name, lambda n: functools.partial(sharded, n), one,
+            functools.partial(whole, attention_reference), arrays)
 
 
 def group_attention():
     for name, spec in ATTENTION_CASES.items():
-        for n in SHARDS:
-            run_attention_case(name, spec, n)
+        run_attention_case(name, spec)
 
 
 def group_zigzag():
-    for name in ("causal", "documents", "window"):
-        for n in SHARDS:
-            run_attention_case(f"zigzag_{name}", ATTENTION_CASES[name], n,
-                               order=sp.zigzag_indices(T, n))
+    for name in ("causal", "documents"):
+        run_attention_case(f"zigzag_{name}", ATTENTION_CASES[name], zigzag=True)
+
+
+def group_balance():
     # The balance itself: tiles each shard's queries visit under a causal mask (its work), from
     # the block mask the kernel would use, contiguous slices against the zigzag layout.
     t, n, block = 256, 4, 16
@@ -178,7 +180,7 @@ def group_zigzag():
 # Linear attention.
 # ----------------------------------------------------------------------------------------------
 
-RB, RH, RHKV, RK, RV = 2, 4, 2, 5, 6
+RB, RH, RHKV, RK, RV = 2, 2, 1, 5, 6
 
 
 def recurrent_inputs(batch, t, gates, with_state, num_states=None, gate_scale=1.0):
@@ -198,7 +200,7 @@ def recurrent_inputs(batch, t, gates, with_state, num_states=None, gate_scale=1.
     return {k: jnp.asarray(x, jnp.float32) for k, x in arrays.items()}
 
 
-def run_recurrent_case(name, n, arrays, cu_seqlens=None, reverse=False):
+def run_recurrent_case(name, arrays, cu_seqlens=None, reverse=False):
     names = list(arrays)
     sequence_axis = {"query", "key", "value", "g", "gk", "gv"}
     specs = tuple(P(None, "sp") if k in sequence_axis else P() for k in names)
@@ -206,30 +208,25 @@ def run_recurrent_case(name, n, arrays, cu_seqlens=None, reverse=False):
     def call(fn, *xs, **kw):
         return fn(**dict(zip(names, xs)), reverse=reverse, cu_seqlens=cu_seqlens, **kw)
 
-    def sharded(*xs):
+    def sharded(n):
         local = functools.partial(call, recurrent, sequence_parallelism_mesh_axis_name="sp")
-        return jax.shard_map(local, mesh=mesh(n), in_specs=specs,
-                             out_specs=(P(None, "sp"), P()))(*xs)
+        return jax.shard_map(local, mesh=mesh(n), in_specs=specs, out_specs=(P(None, "sp"), P()))
 
-    compare(name, n, sharded, functools.partial(call, recurrent),
+    compare(name, sharded, functools.partial(call, recurrent),
             functools.partial(call, recurrent_reference), [arrays[k] for k in names])
 
 
-GATES = {"none": (), "g": ("g",), "g_gamma": ("g_gamma",), "gk": ("gk",), "gv": ("gv",),
+GATES = {"g": ("g",), "g_gamma": ("g_gamma",), "gk": ("gk",), "gv": ("gv",),
          "all": ("g", "g_gamma", "gk", "gv")}
 
 
 def group_recurrent():
     t = 16  # 4 tokens per shard of 4
     for gate, gates in GATES.items():
-        for reverse in (False, True):
-            arrays = recurrent_inputs(RB, t, gates, with_state=True)
-            for n in SHARDS:
-                run_recurrent_case(f"{gate}{'_reverse' if reverse else ''}", n, arrays,
-                                   reverse=reverse)
-    arrays = recurrent_inputs(RB, t, ("g", "gk"), with_state=False)
-    for n in SHARDS:
-        run_recurrent_case("no_initial_state", n, arrays)
+        # gv without an initial state: the first shard's state starts at zero.
+        run_recurrent_case(gate, recurrent_inputs(RB, t, gates, with_state=gate != "gv"))
+    run_recurrent_case("all_reverse", recurrent_inputs(RB, t, GATES["all"], with_state=True),
+                       reverse=True)
 
 
 def group_packed():
@@ -238,16 +235,14 @@ def group_packed():
     # 6-11 | 12, one whole shard in between), [13, 18) ending on a boundary, [18, 21), and three
     # tokens of padding that belong to none.
     cu = np.array([0, 5, 5, 13, 18, 21], np.int32)
-    for gate, gates in (("none", ()), ("g_gk", ("g", "gk")), ("all", GATES["all"])):
-        for reverse in (False, True):
-            arrays = recurrent_inputs(1, t, gates, with_state=True, num_states=len(cu) - 1)
-            for n in SHARDS:
-                run_recurrent_case(f"packed_{gate}{'_reverse' if reverse else ''}", n, arrays,
-                                   cu_seqlens=cu, reverse=reverse)
-    # One sequence over every shard, ending before the last token.
-    arrays = recurrent_inputs(1, t, ("g",), with_state=True, num_states=1)
-    for n in SHARDS:
-        run_recurrent_case("packed_one_long", n, arrays, cu_seqlens=np.array([0, 22], np.int32))
+    for gate, gates, reverse in (("none", (), False), ("all", GATES["all"], False),
+                                 ("all", GATES["all"], True)):
+        arrays = recurrent_inputs(1, t, gates, with_state=True, num_states=len(cu) - 1)
+        run_recurrent_case(f"packed_{gate}{'_reverse' if reverse else ''}", arrays,
+                           cu_seqlens=cu, reverse=reverse)
+    # One sequence over every shard, ending before the last token; no initial state.
+    run_recurrent_case("packed_one_long", recurrent_inputs(1, t, ("g", "gv"), with_state=False),
+                       cu_seqlens=np.array([0, 22], np.int32))
 
 
 # ----------------------------------------------------------------------------------------------
