@@ -248,7 +248,6 @@ def linear_attention(fn: Callable[..., tuple[Array, Array]], *, query: Array, ke
         raise ValueError(f"query must be a 4-D array [batch, seq_len, heads, key_dim] (this "
                          f"shard's slice), got shape {getattr(query, 'shape', None)}")
     batch, L, heads, key_dim = query.shape
-    value_dim = getattr(value, "shape", (0,))[-1]
     reverse = bool(reverse)
     total = num_shards * L
     if cu_seqlens is not None:
@@ -261,6 +260,12 @@ def linear_attention(fn: Callable[..., tuple[Array, Array]], *, query: Array, ke
         num_sequences = cu.shape[0] - 1
         # A shard's slice of the packing: the offsets clipped to it, sequences outside it empty.
         local_cu = jnp.clip(cu - index * L, 0, L)
+        if num_sequences == 0:  # every token is padding: zeros, which depend on nothing
+            arrays = jax.lax.stop_gradient(dict(query=query, key=key, value=value, g=g,
+                                                g_gamma=g_gamma, gk=gk, gv=gv,
+                                                initial_state=initial_state))
+            return fn(**arrays, softmax_scale=softmax_scale, reverse=reverse, cu_seqlens=local_cu,
+                      **options)
     else:
         num_sequences = batch
         local_cu = None
@@ -306,8 +311,7 @@ def linear_attention(fn: Callable[..., tuple[Array, Array]], *, query: Array, ke
     # 2. The decays of the entering sequence's tokens: running (from the boundary to each token)
     #    and total. Exp of a running sum of log-decays <= 0 only underflows, where the state
     #    carried in has decayed away.
-    a, b = _log_decays(g, g_gamma, gk, gv, (batch, L, heads, key_dim),
-                       (batch, L, heads, value_dim))
+    a, b = _log_decays(g, g_gamma, gk, gv, (batch, L, heads, key_dim), o.shape)
     mask = entering[:, :, None, None]
     a, b = jnp.where(mask, a, 0.0), jnp.where(mask, b, 0.0)
     running_a = jnp.flip(jnp.cumsum(jnp.flip(a, 1), 1), 1) if reverse else jnp.cumsum(a, 1)

@@ -70,7 +70,8 @@ def compare(case, sharded, one_device, reference, arrays):
                 key = name if k == 0 else f"{name}.{k}"
                 results["reference"][key] = rel_err(a, c)
                 results["one_device"][key] = rel_err(a, b)
-        print(json.dumps({"case": case, "shards": n, **results}), flush=True)
+        print(json.dumps({"case": case, "shards": n, "dtype": jnp.dtype(arrays[0].dtype).name,
+                          **results}), flush=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -80,13 +81,10 @@ def compare(case, sharded, one_device, reference, arrays):
 B, HQ, HKV, T, D = 2, 2, 1, 48, 16  # 48 tokens: 12 per shard of 4, not a multiple of the tile
 
 
-def attention_inputs(t=T, sinks=False):
+def attention_inputs(t=T, dtype=jnp.float32):
     def normal(*shape):
-        return jnp.asarray(rng.normal(size=shape), jnp.float32)
-    arrays = [normal(B, HQ, t, D), normal(B, HKV, t, D), normal(B, HKV, t, D)]
-    if sinks:
-        arrays.append(normal(HQ))
-    return arrays
+        return jnp.asarray(rng.normal(size=shape), dtype)
+    return [normal(B, HQ, t, D), normal(B, HKV, t, D), normal(B, HKV, t, D)]
 
 
 def documents(t):
@@ -102,25 +100,34 @@ ATTENTION_CASES = {
     "window_both_sides": dict(causal=False, sliding_window=(5, 9)),
     "documents": dict(segments=True),
     "documents_causal_window_sinks": dict(segments=True, sliding_window=(6, 0), sinks=True),
+    "bias_sliced_along_queries": dict(bias=True),
+    "documents_bfloat16": dict(segments=True, dtype=jnp.bfloat16),
 }
 
 
 def run_attention_case(name, spec, zigzag=False):
     """The op sharded over 1, 2 and 4 shards against the whole-sequence op. ``zigzag``: the tokens
     in the zigzag layout (permuted before sharding, positions passed), the output put back in
-    order."""
+    order. Sinks are one array every shard shares; a bias ``[B, Hq, T, S]`` is sliced along the
+    queries (its key axis is the whole sequence)."""
     options = dict(spec)
-    segments, sinks = options.pop("segments", False), options.pop("sinks", False)
-    arrays = attention_inputs(sinks=sinks)
+    segments, dtype = options.pop("segments", False), options.pop("dtype", jnp.float32)
+    extras = {}  # differentiable arguments after q, k, v: name -> (array, in_spec)
+    if options.pop("sinks", False):
+        extras["softmax_aux"] = (jnp.asarray(rng.normal(size=HQ), dtype), P())
+    if options.pop("bias", False):
+        extras["bias"] = (jnp.asarray(rng.normal(size=(B, HQ, T, T)), dtype),
+                          P(None, None, "sp", None))
+    arrays = attention_inputs(dtype=dtype) + [x for x, _ in extras.values()]
     seg = documents(T) if segments else None
 
-    def whole(fn, q, k, v, *aux):
-        kw = dict(options, softmax_aux=aux[0] if aux else None)
+    def whole(fn, q, k, v, *more):
+        kw = dict(options, **dict(zip(extras, more)))
         if seg is not None:
             kw.update(q_segment_ids=seg, kv_segment_ids=seg)
         return fn(q, k, v, **kw)
 
-    def sharded(n, q, k, v, *aux):
+    def sharded(n, q, k, v, *more):
         # The layout: tokens permuted (zigzag) or not, then sliced contiguously by shard_map.
         def layout(x, axis):
             return sp.zigzag(x, n, axis) if zigzag else x
@@ -129,7 +136,7 @@ def run_attention_case(name, spec, zigzag=False):
 
         def local(q, k, v, *rest):
             rest = list(rest)
-            kw = dict(options, softmax_aux=rest.pop(0) if aux else None)
+            kw = dict(options, **{name: rest.pop(0) for name in extras})
             if seg is not None:
                 s = rest.pop(0)
                 kw.update(q_segment_ids=s, kv_segment_ids=s)
@@ -140,10 +147,10 @@ def run_attention_case(name, spec, zigzag=False):
                                          sequence_parallelism_mesh_axis_name="sp", **kw)
 
         seq = P(None, None, "sp")
-        f = jax.shard_map(local, mesh=mesh(n),
-                          in_specs=(seq,) * 3 + (P(),) * len(aux) + (P(None, "sp"),) * len(ids),
-                          out_specs=seq)
-        out = f(layout(q, 2), layout(k, 2), layout(v, 2), *aux, *ids)
+        in_specs = (seq,) * 3 + tuple(spec for _, spec in extras.values()) \
+            + (P(None, "sp"),) * len(ids)
+        f = jax.shard_map(local, mesh=mesh(n), in_specs=in_specs, out_specs=seq)
+        out = f(layout(q, 2), layout(k, 2), layout(v, 2), *more, *ids)
         return sp.unzigzag(out, n, 2) if zigzag else out
 
     one = functools.partial(whole, functools.partial(blocksparse_attention, fwd_blocks=BLOCKS,
@@ -183,7 +190,8 @@ def group_balance():
 RB, RH, RHKV, RK, RV = 2, 2, 1, 5, 6
 
 
-def recurrent_inputs(batch, t, gates, with_state, num_states=None, gate_scale=1.0):
+def recurrent_inputs(batch, t, gates, with_state, num_states=None, gate_scale=1.0,
+                     dtype=jnp.float32):
     def normal(*shape):
         return rng.normal(size=shape)
 
@@ -197,10 +205,10 @@ def recurrent_inputs(batch, t, gates, with_state, num_states=None, gate_scale=1.
         arrays[gate] = log_gate(*shapes[gate])
     if with_state:
         arrays["initial_state"] = normal(num_states or batch, RH, RK, RV)
-    return {k: jnp.asarray(x, jnp.float32) for k, x in arrays.items()}
+    return {k: jnp.asarray(x, dtype) for k, x in arrays.items()}
 
 
-def run_recurrent_case(name, arrays, cu_seqlens=None, reverse=False):
+def run_recurrent_case(name, arrays, cu_seqlens=None, reverse=False, reference=None):
     names = list(arrays)
     sequence_axis = {"query", "key", "value", "g", "gk", "gv"}
     specs = tuple(P(None, "sp") if k in sequence_axis else P() for k in names)
@@ -213,7 +221,7 @@ def run_recurrent_case(name, arrays, cu_seqlens=None, reverse=False):
         return jax.shard_map(local, mesh=mesh(n), in_specs=specs, out_specs=(P(None, "sp"), P()))
 
     compare(name, sharded, functools.partial(call, recurrent),
-            functools.partial(call, recurrent_reference), [arrays[k] for k in names])
+            functools.partial(call, reference or recurrent_reference), [arrays[k] for k in names])
 
 
 GATES = {"g": ("g",), "g_gamma": ("g_gamma",), "gk": ("gk",), "gv": ("gv",),
@@ -227,6 +235,8 @@ def group_recurrent():
         run_recurrent_case(gate, recurrent_inputs(RB, t, gates, with_state=gate != "gv"))
     run_recurrent_case("all_reverse", recurrent_inputs(RB, t, GATES["all"], with_state=True),
                        reverse=True)
+    run_recurrent_case("all_bfloat16", recurrent_inputs(RB, t, GATES["all"], with_state=True,
+                                                        dtype=jnp.bfloat16))
 
 
 def group_packed():
@@ -243,6 +253,18 @@ def group_packed():
     # One sequence over every shard, ending before the last token; no initial state.
     run_recurrent_case("packed_one_long", recurrent_inputs(1, t, ("g", "gv"), with_state=False),
                        cu_seqlens=np.array([0, 22], np.int32))
+    # Sequences without tokens, and no sequence at all: every token is padding, its output zero
+    # (the reference's scan cannot index a state of no sequence: zeros are the definition).
+    run_recurrent_case("packed_empty_sequences", recurrent_inputs(1, t, ("g",), with_state=True,
+                                                                  num_states=2),
+                       cu_seqlens=np.array([0, 0, 0], np.int32))
+
+    def no_sequence(query, value, **_):
+        return (jnp.zeros((*query.shape[:3], value.shape[-1]), query.dtype),
+                jnp.zeros((0, RH, RK, RV), jnp.promote_types(query.dtype, jnp.float32)))
+
+    run_recurrent_case("packed_no_sequence", recurrent_inputs(1, t, ("g",), with_state=False),
+                       cu_seqlens=np.array([0], np.int32), reference=no_sequence)
 
 
 # ----------------------------------------------------------------------------------------------
