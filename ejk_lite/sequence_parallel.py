@@ -92,7 +92,8 @@ def _axis(name: Any) -> tuple[int, Array]:
         size = jax.lax.axis_size(name)
     except NameError as error:
         raise ValueError(f"{AXIS_ARGUMENT}={name!r} is not an axis of an enclosing shard_map "
-                         f"(call the op inside jax.shard_map over a mesh with that axis)") from error
+                         f"(call the op inside jax.shard_map over a mesh with that axis)"
+                         ) from error
     index = jax.lax.axis_index(name)
     if name not in varying_axes(index):
         raise ValueError(f"{AXIS_ARGUMENT}={name!r}: the enclosing shard_map has check_vma=False; "

@@ -5,11 +5,12 @@ run in the pytest process (whose JAX has long started with one device)::
 
     XLA_FLAGS=--xla_force_host_platform_device_count=4 python sequence_parallel_child.py GROUP
 
-``GROUP`` is ``attention``, ``zigzag``, ``balance``, ``recurrent``, ``packed`` or ``errors``. Every case runs
-the op under ``jax.shard_map`` on a mesh of 1, 2 and 4 shards, and prints one JSON line: the
-relative errors of the output and of every gradient against the float64 reference on the whole
-sequence (``"reference"``) and against the same op on one device (``"one_device"``); an error
-case prints the exception's type and message instead. The parent asserts.
+``GROUP`` is ``attention``, ``zigzag``, ``balance``, ``recurrent``, ``packed`` or ``errors``.
+Every case runs the op under ``jax.shard_map`` on a mesh of 1, 2 and 4 shards and prints, per
+mesh, one JSON line: the relative errors of the output and of every gradient against the float64
+reference on the whole sequence (``"reference"``) and against the same op on one device
+(``"one_device"``). ``balance`` prints the tiles each shard visits; an error case prints the
+exception's type and message. The parent asserts.
 """
 
 import functools
