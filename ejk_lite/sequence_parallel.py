@@ -297,7 +297,7 @@ def linear_attention(fn: Callable[..., tuple[Array, Array]], *, query: Array, ke
                 else (tokens < entering_len[:, None]))  # [B, L]: the entering sequence's tokens
 
     # 1. The kernel on this shard's slice, the entering sequence from a zero state (every other
-    #    sequence starts here, from its own initial state).
+    #    sequence of the slice starts in it, from its own initial state).
     init = initial_state
     if init is not None:
         init = init.at[enter_slot].set(jnp.where(enters[:, None, None, None], 0,
@@ -323,9 +323,10 @@ def linear_attention(fn: Callable[..., tuple[Array, Array]], *, query: Array, ke
     #    the whole shard (it enters and leaves), the decay that multiplies the state carried in.
     through = enters & (entering_len == L)
     leaving = jnp.where(leaves[:, None, None, None], final[leave_slot], 0.0)
-    carried = jnp.where(through[:, None, None], decay_k, 0.0)
+    carried_k = jnp.where(through[:, None, None], decay_k, 0.0)
+    carried_v = jnp.where(through[:, None, None], decay_v, 0.0)
     states, carried_k, carried_v = (jax.lax.all_gather(x, axis)
-                                    for x in (leaving, carried, decay_v))
+                                    for x in (leaving, carried_k, carried_v))
 
     def fold(h, shard):  # h: the state entering this shard; returns the one leaving it
         state, ck, cv = shard
