@@ -299,6 +299,10 @@ def linear_attention(fn: Callable[..., tuple[Array, Array]], *, query: Array, ke
     # 1. The kernel on this shard's slice, the entering sequence from a zero state (every other
     #    sequence of the slice starts in it, from its own initial state).
     init = initial_state
+    if init is None and len(getattr(value, "shape", ())) == 4:
+        # Zeros made here vary over the axis like the data: a scan's carry (the XLA
+        # implementation's) must keep its type, and one made inside it would vary over nothing.
+        init = jnp.zeros((num_sequences, heads, key_dim, value.shape[-1]), jnp.float32)
     if init is not None:
         init = init.at[enter_slot].set(jnp.where(enters[:, None, None, None], 0,
                                                  init[enter_slot]))
