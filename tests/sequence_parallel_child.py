@@ -217,7 +217,10 @@ def recurrent_inputs(batch, t, gates, with_state, num_states=None, gate_scale=1.
     return {k: jnp.asarray(x, dtype) for k, x in arrays.items()}
 
 
-def run_recurrent_case(name, arrays, cu_seqlens=None, reverse=False, reference=None):
+def run_recurrent_case(name, arrays, cu_seqlens=None, reverse=False, reference=None, op=None):
+    """``op`` (``RECURRENT`` by default) over 1, 2 and 4 shards against it on one device and the
+    float64 reference."""
+    op = op or RECURRENT
     names = list(arrays)
     sequence_axis = {"query", "key", "value", "g", "gk", "gv"}
     specs = tuple(P(None, "sp") if k in sequence_axis else P() for k in names)
@@ -226,10 +229,11 @@ def run_recurrent_case(name, arrays, cu_seqlens=None, reverse=False, reference=N
         return fn(**dict(zip(names, xs)), reverse=reverse, cu_seqlens=cu_seqlens, **kw)
 
     def sharded(n):
-        local = functools.partial(call, RECURRENT, sequence_parallelism_mesh_axis_name="sp")
+        local = functools.partial(call, functools.partial(sp.linear_attention, op),
+                                  sequence_parallelism_mesh_axis_name="sp")
         return jax.shard_map(local, mesh=mesh(n), in_specs=specs, out_specs=(P(None, "sp"), P()))
 
-    compare(name, sharded, functools.partial(call, RECURRENT),
+    compare(name, sharded, functools.partial(call, op),
             functools.partial(call, reference or recurrent_reference), [arrays[k] for k in names])
 
 
@@ -246,6 +250,9 @@ def group_recurrent():
                        reverse=True)
     run_recurrent_case("all_bfloat16", recurrent_inputs(RB, t, GATES["all"], with_state=True,
                                                         dtype=jnp.bfloat16))
+    # The plain-JAX scan (an op's impl="xla") through the same exchange, no initial state.
+    run_recurrent_case("all_scan", recurrent_inputs(RB, t, GATES["all"], with_state=False),
+                       op=recurrent_reference)
 
 
 def group_packed():
@@ -262,6 +269,9 @@ def group_packed():
     # One sequence over every shard, ending before the last token; no initial state.
     run_recurrent_case("packed_one_long", recurrent_inputs(1, t, ("g", "gv"), with_state=False),
                        cu_seqlens=np.array([0, 22], np.int32))
+    run_recurrent_case("packed_all_reverse_scan", recurrent_inputs(1, t, GATES["all"],
+                                                                   with_state=False),
+                       cu_seqlens=cu, reverse=True, op=recurrent_reference)
     # Sequences without tokens, and no sequence at all: every token is padding, its output zero
     # (the reference's scan cannot index a state of no sequence: zeros are the definition).
     run_recurrent_case("packed_empty_sequences", recurrent_inputs(1, t, ("g",), with_state=True,

@@ -30,8 +30,9 @@ CASES = {
     "attention": ["causal", "window_both_sides", "documents", "documents_causal_window_sinks",
                   "bias_sliced_along_queries", "documents_bfloat16"],
     "zigzag": ["zigzag_causal", "zigzag_documents"],
-    "recurrent": ["g", "g_gamma", "gk", "gv", "all", "all_reverse", "all_bfloat16"],
+    "recurrent": ["g", "g_gamma", "gk", "gv", "all", "all_reverse", "all_bfloat16", "all_scan"],
     "packed": ["packed_none", "packed_all", "packed_all_reverse", "packed_one_long",
+               "packed_all_reverse_scan",
                "packed_empty_sequences", "packed_no_sequence"],
 }
 
