@@ -90,10 +90,11 @@ def compare(case, sharded, one_device, reference, arrays):
 B, HQ, HKV, T, D = 2, 2, 1, 48, 16  # 48 tokens: 12 per shard of 4, not a multiple of the tile
 
 
-def attention_inputs(t=T, dtype=jnp.float32):
+def attention_inputs(t=T, dtype=jnp.float32, s=None):
     def normal(*shape):
         return jnp.asarray(rng.normal(size=shape), dtype)
-    return [normal(B, HQ, t, D), normal(B, HKV, t, D), normal(B, HKV, t, D)]
+    s = t if s is None else s
+    return [normal(B, HQ, t, D), normal(B, HKV, s, D), normal(B, HKV, s, D)]
 
 
 def documents(t):
@@ -111,6 +112,8 @@ ATTENTION_CASES = {
     "documents_causal_window_sinks": dict(segments=True, sliding_window=(6, 0), sinks=True),
     "bias_sliced_along_queries": dict(bias=True),
     "documents_bfloat16": dict(segments=True, dtype=jnp.bfloat16),
+    # 48 queries against 32 keys (8 per shard of 4), causal on the default positions
+    "cross_attention_causal": dict(kv_len=32),
 }
 
 
@@ -121,13 +124,14 @@ def run_attention_case(name, spec, zigzag=False):
     queries (its key axis is the whole sequence)."""
     options = dict(spec)
     segments, dtype = options.pop("segments", False), options.pop("dtype", jnp.float32)
+    kv_len = options.pop("kv_len", T)
     extras = {}  # differentiable arguments after q, k, v: name -> (array, in_spec)
     if options.pop("sinks", False):
         extras["softmax_aux"] = (jnp.asarray(rng.normal(size=HQ), dtype), P())
     if options.pop("bias", False):
         extras["bias"] = (jnp.asarray(rng.normal(size=(B, HQ, T, T)), dtype),
                           P(None, None, "sp", None))
-    arrays = attention_inputs(dtype=dtype) + [x for x, _ in extras.values()]
+    arrays = attention_inputs(dtype=dtype, s=kv_len) + [x for x, _ in extras.values()]
     seg = documents(T) if segments else None
 
     def whole(fn, q, k, v, *more):

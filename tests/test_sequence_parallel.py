@@ -28,7 +28,7 @@ SHARDS = tuple(n for n in (1, 2, 4) if n <= DEVICES)
 
 CASES = {
     "attention": ["causal", "window_both_sides", "documents", "documents_causal_window_sinks",
-                  "bias_sliced_along_queries", "documents_bfloat16"],
+                  "bias_sliced_along_queries", "documents_bfloat16", "cross_attention_causal"],
     "zigzag": ["zigzag_causal", "zigzag_documents"],
     "recurrent": ["g", "g_gamma", "gk", "gv", "all", "all_reverse", "all_bfloat16", "all_scan"],
     "packed": ["packed_none", "packed_all", "packed_all_reverse", "packed_one_long",
