@@ -35,14 +35,15 @@ of Transformer Engine's.
 
 **Load balance.** Under a causal mask the last shard's queries see the whole sequence and the
 first shard's only its own slice: with contiguous slices shard ``i`` does ``2i + 1`` units of work
-out of ``n^2``. The *zigzag* layout splits the sequence into ``2n`` chunks and gives shard ``i``
-chunks ``i`` and ``2n - 1 - i``: every shard then does the same work, ``2n`` units. It is a
-layout of the whole model's tokens, chosen once (every per-token layer is indifferent to the
-order): permute the tokens with :func:`zigzag` before sharding, pass their positions
-(``zigzag_indices``, permuted the same way: the positions *are* the permutation) and permute
-segment ids with :func:`zigzag` too, and :func:`unzigzag` the outputs at the end, if ever. The
-attention op sees only positions and segment ids, so nothing else changes: the mask handles keys
-in any order exactly.
+(a unit: half an ``L x L`` tile of scores) out of ``n^2``. The *zigzag* layout splits the sequence
+into ``2n`` chunks and gives shard ``i`` chunks ``i`` and ``2n - 1 - i``: every shard then does
+the same work, ``n`` units. It is a layout of the whole model's tokens, chosen once (every
+per-token layer is indifferent to the order): permute the tokens with :func:`zigzag` before
+sharding, segment ids too, and pass the tokens' positions, ``zigzag_indices(T, n)`` (each
+token's original index), sliced like the tokens; :func:`unzigzag` the outputs at the end, if
+ever. The attention op sees only positions and segment ids, so nothing else changes: the block
+mask handles keys in any order exactly. (Linear attention needs contiguous slices: its state
+runs through the tokens in order. Its work is the same on every shard anyway.)
 
 **Linear attention: exchange states.** A recurrence ``h_t = h_{t-1} * decay_t + k_t^T v_t`` is
 affine in its initial state. Each shard runs the single-device kernel from a zero state for the
