@@ -53,6 +53,7 @@ from ejk_lite.launch import triton_call
 from ejk_lite.checks import next_power_of_2, power_of_two, resolve_impl
 from ejk_lite.masking import (EMPTY, BlockMask, TokenRule, build_block_mask, check_block_mask,
                               check_layout, combine_rules, dense_mask, restrict, token_rule)
+from ejk_lite import sequence_parallel
 
 LOG2E = tl.constexpr(math.log2(math.e))  # a constexpr: usable inside the kernels too
 _BIG_WINDOW = 2**30
@@ -1253,6 +1254,7 @@ def blocksparse_attention(
     fwd_blocks: BlockSizes | None = None,
     bwd_blocks: BlockSizes | tuple[BlockSizes, BlockSizes] | None = None,
     impl: str = "auto",
+    sequence_parallelism_mesh_axis_name: str | None = None,
 ) -> Array:
     """Attention that visits only the tiles its mask lists; differentiable in query, key, value,
     ``softmax_aux`` and ``bias``.
@@ -1289,6 +1291,9 @@ def blocksparse_attention(
             ``(dkv, dq)``, one per kernel (``BlockSizes.backward`` by default).
         impl: ``"triton"``, ``"xla"`` (the dense :func:`reference`) or ``"auto"`` (Triton where the
             kernels support the call, else XLA).
+        sequence_parallelism_mesh_axis_name: inside ``jax.shard_map``, the mesh axis the sequence
+            is split over: the arrays are this shard's slices, the result the one of the whole
+            sequence (:mod:`ejk_lite.sequence_parallel`).
 
     A pair is visible iff every rule given holds. A query row that sees no key gets zeros (and
     passes no gradient). Keys a row cannot see do not exist for it: a NaN in ``q``, ``k`` or ``v``
@@ -1298,6 +1303,8 @@ def blocksparse_attention(
     ``jit``, ``grad`` and ``vmap``, nested too: mapped axes fold into the batch axis, one launch.
     Returns ``[B, Hq, T, Dv]`` in the query's dtype.
     """
+    if sequence_parallelism_mesh_axis_name is not None:  # each shard holds a slice of the sequence
+        return sequence_parallel.attention(blocksparse_attention, **locals())
     impl = resolve_impl(impl, auto="auto")  # "auto": resolved below, by what the kernels support
     if fwd_blocks is not None and not isinstance(fwd_blocks, BlockSizes):
         raise ValueError(f"fwd_blocks must be a BlockSizes, got {type(fwd_blocks).__name__}")

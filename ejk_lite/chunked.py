@@ -113,7 +113,8 @@ import triton
 import triton.language as tl
 from jax import Array
 
-from ejk_lite.checks import static_int
+from ejk_lite import sequence_parallel
+from ejk_lite.checks import resolve_impl, static_int
 from ejk_lite.cumsum import chunk_local_cumsum
 from ejk_lite.launch import triton_call, vmap_by_folding
 from ejk_lite.packing import cdiv, prepare_chunk_indices, prepare_chunk_offsets, sanitize_cu_seqlens
@@ -1173,6 +1174,7 @@ def chunked_recurrent(
     chunk_size: int = 64,
     impl: str = "auto",
     config: ChunkedConfig | None = None,
+    sequence_parallelism_mesh_axis_name: str | None = None,
 ) -> tuple[Array, Array]:
     """Recurrent linear attention computed chunk-wise with Triton kernels (the training form).
 
@@ -1188,7 +1190,8 @@ def chunked_recurrent(
             products); passing it raises ``ValueError``: use :func:`ejk_lite.recurrent`.
         chunk_size: 16, 32, 64 or 128 (static).
         impl: ``"triton"``, ``"xla"`` (recurrent's plain-JAX reference, a scan over tokens) or
-            ``"auto"`` (Triton for float16/bfloat16/float32 inputs, XLA for float64).
+            ``"auto"`` (Triton on a GPU, else XLA: on a CPU the kernels run in Triton's
+            interpreter, for testing; pass ``impl="triton"`` there to test them).
         config: a :class:`ChunkedConfig` (tiles, warps and stages per kernel); defaults if None.
 
     Returns:
@@ -1199,8 +1202,9 @@ def chunked_recurrent(
         ValueError: naming the argument, for anything :func:`ejk_lite.recurrent` refuses, a ``gv``,
         a bad ``chunk_size``, ``impl`` or ``config``, or float64 inputs with ``impl="triton"``.
     """
-    if impl not in ("auto", "triton", "xla"):
-        raise ValueError(f"impl must be 'auto', 'triton' or 'xla', got {impl!r}")
+    if sequence_parallelism_mesh_axis_name is not None:  # each shard holds a slice of the sequence
+        return sequence_parallel.linear_attention(chunked_recurrent, **locals())
+    impl = resolve_impl(impl)  # "auto": Triton on a GPU, XLA elsewhere (as every op)
     cu_seqlens = _validate(query, key, value, g, g_gamma, gk, gv, initial_state, cu_seqlens)
     if gv is not None:
         raise ValueError("gv (a decay along V) is not supported by chunked_recurrent: it does not factor "
@@ -1218,7 +1222,7 @@ def chunked_recurrent(
     if impl == "triton" and not supported:
         raise ValueError(f"impl='triton' takes float16, bfloat16 or float32 query/key/value, got "
                          f"{query.dtype}/{key.dtype}/{value.dtype}; use impl='xla'")
-    if impl == "xla" or not supported:
+    if impl == "xla":
         return reference(query, key, value, g, g_gamma, gk, None, scale, initial_state, reverse, cu_seqlens)
     static = _Static(scale=scale, chunk_size=chunk_size, reverse=reverse, config=config)
     return _chunked_jit(static, query, key, value, g, g_gamma, gk, initial_state, cu_seqlens)

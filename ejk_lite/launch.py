@@ -108,12 +108,41 @@ def triton_call(
         return jax.tree_util.tree_unflatten(out_tree, outs)
 
     if not INTERPRETER:
-        return _import_jax_triton().triton_call(
+        outs = _import_jax_triton().triton_call(
             *args, kernel=kernel, out_shape=out_shape, grid=grid,
             num_warps=num_warps, num_stages=num_stages, **metaparams,
         )
-    outs = _interpret(args, kernel, out_leaves, resolved_grid, metaparams)
+        outs = jax.tree_util.tree_leaves(outs)
+    else:
+        outs = _interpret(args, kernel, out_leaves, resolved_grid, metaparams)
+    # Under shard_map the outputs vary over the mesh axes the inputs vary over (a callback's
+    # results would otherwise be typed as the same on every shard).
+    outs = vary_like(outs, *[a for a in args if hasattr(a, "shape")])
     return jax.tree_util.tree_unflatten(out_tree, outs)
+
+
+def varying_axes(x: Any) -> frozenset:
+    """The manual mesh axes of an enclosing ``shard_map`` over which ``x`` varies (none outside)."""
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)  # its name in other JAX releases
+    if vma is None:
+        vma = getattr(getattr(aval, "manual_axis_type", None), "varying", ())
+    return frozenset(vma)
+
+
+def vary_like(values: Sequence[Any], *operands: Any) -> list[Any]:
+    """``values`` typed to vary over every manual mesh axis any of ``operands`` varies over.
+
+    Inside ``shard_map`` JAX types each value by the mesh axes it may differ over, and checks the
+    types where they must agree: a loop's carry, a ``custom_vjp``'s cotangents. A constant, or
+    what a callback returns, varies over nothing; computed from a shard's data it must vary as
+    that data does. Outside ``shard_map`` this returns ``values`` unchanged."""
+    axes = frozenset().union(*(varying_axes(x) for x in operands))
+    out = []
+    for x in values:
+        missing = tuple(sorted(axes - varying_axes(x)))
+        out.append(jax.lax.pcast(x, missing, to="varying") if missing else x)
+    return out
 
 
 def _import_jax_triton():

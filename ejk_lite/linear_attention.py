@@ -88,6 +88,7 @@ from ejk_lite.checks import (
 )
 from ejk_lite.cumsum import chunk_global_cumsum
 from ejk_lite.launch import triton_call, vmap_by_folding
+from ejk_lite import sequence_parallel
 from ejk_lite.packing import (
     cdiv,
     check_packed_batch,
@@ -850,6 +851,7 @@ def recurrent(
     *,
     impl: str = "auto",
     config: RecurrentConfig | None = None,
+    sequence_parallelism_mesh_axis_name: str | None = None,
 ) -> tuple[Array, Array]:
     """Recurrent linear attention, differentiable in every array argument.
 
@@ -872,6 +874,9 @@ def recurrent(
         impl: ``"triton"`` (the kernels; float16, bfloat16 or float32), ``"xla"`` (:func:`reference`,
             a ``lax.scan``; any floating dtype) or ``"auto"`` (Triton on a GPU, else XLA).
         config: a :class:`RecurrentConfig` for the Triton kernels; ``None``: the defaults.
+        sequence_parallelism_mesh_axis_name: inside ``jax.shard_map``, the mesh axis the sequence
+            is split over: per-token arrays are this shard's slices, ``cu_seqlens`` the global
+            offsets (:mod:`ejk_lite.sequence_parallel`).
 
     Returns:
         ``(o, final_state)``: ``o`` ``[B, T, H, V]`` in the query's dtype and ``final_state``
@@ -885,6 +890,8 @@ def recurrent(
         inputs would run the recurrence in integer arithmetic), an invalid ``cu_seqlens`` or a
         ``softmax_scale`` that is not a number.
     """
+    if sequence_parallelism_mesh_axis_name is not None:  # each shard holds a slice of the sequence
+        return sequence_parallel.linear_attention(recurrent, **locals())
     impl = resolve_impl(impl)
     config = RecurrentConfig() if check_config(config, RecurrentConfig) is None else config
     cu_seqlens = _validate(query, key, value, g, g_gamma, gk, gv, initial_state, cu_seqlens)

@@ -58,6 +58,7 @@ import numpy as np
 from jax import Array
 
 from ejk_lite.checks import power_of_two
+from ejk_lite.launch import vary_like
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 _BIG = 2**30  # windows are clipped here so that position +- window never overflows int32
@@ -294,7 +295,8 @@ def _count_before(sorted_seg, sorted_pos, n_valid, seg, pos, inclusive: bool) ->
         active = lo < hi
         return jnp.where(active & before, mid + 1, lo), jnp.where(active & ~before, mid, hi)
 
-    return jax.lax.fori_loop(0, bk.bit_length(), step, (lo, hi))[0]
+    bounds = tuple(vary_like((lo, hi), sorted_seg, sorted_pos, n_valid, seg, pos))
+    return jax.lax.fori_loop(0, bk.bit_length(), step, bounds)[0]
 
 
 def _rule_kinds(rule: TokenRule, T: int, S: int, bq: int, bk: int) -> Array:
@@ -341,7 +343,8 @@ def _rank(keys_seg, keys_pos, seg, pos, inclusive: bool) -> Array:
         active = lo < hi
         return jnp.where(active & before, mid + 1, lo), jnp.where(active & ~before, mid, hi)
 
-    return jax.lax.fori_loop(0, max(S, 1).bit_length(), step, (lo, hi))[0]
+    bounds = tuple(vary_like((lo, hi), keys_seg, keys_pos, seg, pos))
+    return jax.lax.fori_loop(0, max(S, 1).bit_length(), step, bounds)[0]
 
 
 def _kinds_sorted_keys(T, S, bq, bk, qs, lo, hi, ks, kp) -> Array:
@@ -428,7 +431,9 @@ def _lists(kinds: Array, kind: int) -> tuple[Array, Array]:
     selected = kinds == kind
     count = jnp.sum(selected, axis=-1, dtype=jnp.int32)
     index = jnp.argsort(~selected, axis=-1, stable=True).astype(jnp.int32)
-    return count, index
+    # Under shard_map argsort's result is typed as the same on every shard whatever the input
+    # (JAX 0.11): a residual typed so would be kept from one shard only. Type it as its input.
+    return count, vary_like([index], kinds)[0]
 
 
 def build_block_mask(rule, layout, layout_block, combine, T, S, bq, bk) -> BlockMask:

@@ -97,7 +97,7 @@ def public(op, rng):
             return jnp.concatenate([o.ravel(), state.ravel()])
         return f
     if op == "chunked":
-        return (run(lambda q, k, v, g, gk, **kw: chunked_recurrent(q, k, v, g=g, gk=gk, chunk_size=16, **kw)),
+        return (run(lambda q, k, v, g, gk, **kw: chunked_recurrent(q, k, v, g=g, gk=gk, chunk_size=16, impl="triton", **kw)),
                 run(lambda q, k, v, g, gk, **kw: rec.reference(q, k, v, g=g, gk=gk, **kw)),
                 rng.standard_normal((1, T, 2, 12)))
     return run(lambda *a, **kw: recurrent(*a, **kw, impl="triton")), \
