@@ -322,7 +322,7 @@ def test_impl_xla_and_float64(rng):
     np.testing.assert_array_equal(np.asarray(state), np.asarray(state_ref))
     with jax.enable_x64(True):
         arrays64 = {n: jnp.asarray(x) for n, x in inputs.items()}
-        o64, _ = chunked_recurrent(**arrays64)  # "auto": float64 goes to the reference
+        o64, _ = chunked_recurrent(**arrays64, impl="xla")  # float64: the reference
         assert o64.dtype == jnp.float64
         np.testing.assert_array_equal(np.asarray(o64), np.asarray(reference(**arrays64)[0]))
         with pytest.raises(ValueError, match="impl='triton'.*float64"):
