@@ -116,12 +116,18 @@ from jax import Array
 from ejk_lite import sequence_parallel
 from ejk_lite.checks import resolve_impl, static_int
 from ejk_lite.cumsum import chunk_local_cumsum
-from ejk_lite.launch import triton_call, vmap_by_folding
+from ejk_lite.launch import ON_GPU, triton_call, vmap_by_folding
 from ejk_lite.packing import cdiv, prepare_chunk_indices, prepare_chunk_offsets, sanitize_cu_seqlens
 
 # recurrent's argument checks and its plain-JAX reference: one import, so that moving them is a
 # one-line change.
 from ejk_lite.linear_attention import _scale, _validate, reference
+
+# The kernels pass every test in Triton's interpreter, but their first GPU check (H100, triton
+# 3.6, commit bff3d90) failed to compile them: "Inconsistent return types" in _load_gates (fixed
+# since, untested on a GPU) and "TTGIR->LLIR pass failed" in 8 tests, not located yet. Until a
+# GPU check passes, a GPU runs the XLA path (impl="auto") and refuses impl="triton".
+KERNELS_PASSED_ON_GPU = False
 
 __all__ = ["chunked_recurrent", "ChunkedConfig", "KernelConfig", "reference"]
 
@@ -278,9 +284,11 @@ def _rows(r, i_c, start, end, row_base, BT: tl.constexpr, REVERSE: tl.constexpr)
 @triton.jit
 def _last_row(i_c, start, end, BT: tl.constexpr, REVERSE: tl.constexpr):
     """The walking row the walk leaves the chunk from."""
-    if REVERSE:
-        return BT - 1
-    return tl.minimum(end - start - i_c * BT, BT) - 1
+    if REVERSE:  # one return, after the static if: Triton checks every return's type
+        last = BT - 1
+    else:
+        last = tl.minimum(end - start - i_c * BT, BT) - 1
+    return last
 
 
 @triton.jit
@@ -288,10 +296,12 @@ def _load_gates(a, tok, valid, i_h, offs_k, mask_k, H: tl.constexpr, K: tl.const
     """Log-decays of rows ``tok`` (fp32), 0 outside the sequence (no decay: the sums below then
     cover exactly the tokens inside). ``[rows, BK]`` for a per-key gate; ``[rows, 1]`` for a
     scalar one, which broadcasts against the K axis the same way."""
-    if USE_GK:
-        return tl.load(a + (tok[:, None] * H + i_h) * K + offs_k[None, :],
-                       mask=valid[:, None] & mask_k[None, :], other=0.0)
-    return tl.load(a + (tok[:, None] * H + i_h), mask=valid[:, None], other=0.0)
+    if USE_GK:  # one return, after the static if: Triton compares the types of all returns
+        b_a = tl.load(a + (tok[:, None] * H + i_h) * K + offs_k[None, :],
+                      mask=valid[:, None] & mask_k[None, :], other=0.0)
+    else:
+        b_a = tl.load(a + (tok[:, None] * H + i_h), mask=valid[:, None], other=0.0)
+    return b_a
 
 
 @triton.jit
@@ -1204,7 +1214,11 @@ def chunked_recurrent(
     """
     if sequence_parallelism_mesh_axis_name is not None:  # each shard holds a slice of the sequence
         return sequence_parallel.linear_attention(chunked_recurrent, **locals())
-    impl = resolve_impl(impl)  # "auto": Triton on a GPU, XLA elsewhere (as every op)
+    # "auto": Triton on a GPU, XLA elsewhere (as every op), until the kernels pass on a GPU.
+    impl = resolve_impl(impl, auto="xla" if ON_GPU and not KERNELS_PASSED_ON_GPU else None)
+    if impl == "triton" and ON_GPU and not KERNELS_PASSED_ON_GPU:
+        raise ValueError("impl='triton': chunked_recurrent's Triton kernels have not passed on a "
+                         "GPU yet (see KERNELS_PASSED_ON_GPU); use impl='xla' or recurrent")
     cu_seqlens = _validate(query, key, value, g, g_gamma, gk, gv, initial_state, cu_seqlens)
     if gv is not None:
         raise ValueError("gv (a decay along V) is not supported by chunked_recurrent: it does not factor "

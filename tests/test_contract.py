@@ -400,12 +400,19 @@ def cases(applies: Callable[[Op], bool] = lambda op: True, with_layout: bool = F
     for op in OPS:
         for impl in op.impls if applies(op) else ():
             tag = f"{op.name}-{impl}" if impl else op.name
+            marks = [UNTESTED_ON_GPU] if (op.name, impl) == ("chunked_recurrent", "triton") else []
             if not with_layout:
-                params.append(pytest.param(op, impl, id=tag))
+                params.append(pytest.param(op, impl, id=tag, marks=marks))
                 continue
             for layout in layouts(op):
-                params.append(pytest.param(op, impl, layout, id=f"{tag}-{layout}"))
+                params.append(pytest.param(op, impl, layout, id=f"{tag}-{layout}", marks=marks))
     return params
+
+
+# chunked_recurrent refuses impl="triton" on a GPU until its kernels pass there (issue 18).
+UNTESTED_ON_GPU = pytest.mark.skipif(
+    ejk_lite.ON_GPU and not getattr(getattr(ejk_lite, "chunked", None), "KERNELS_PASSED_ON_GPU", True),
+    reason="chunked_recurrent's Triton kernels have not passed on a GPU yet")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -515,10 +522,11 @@ def assert_close(got, want, tol, what=""):
         assert err <= tol, f"{what}[{i}]: relative error {err:.3g} > {tol:.3g}"
 
 
-def assert_equal(got, want, what=""):
+def assert_equal(got, want, what="", rtol=0.0):
     for i, (g, w) in enumerate(zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)):
         assert g.dtype == w.dtype, f"{what}[{i}]: {g.dtype} != {w.dtype}"
-        np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=f"{what}[{i}]")
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=rtol, atol=0,
+                                   err_msg=f"{what}[{i}]")
 
 
 def tolerance(dtype) -> float:
@@ -734,8 +742,10 @@ def test_narrow_and_unsigned_index_arrays(op, impl, dtype, rng):
     fn = lambda i: call(op, i, impl)  # noqa: E731
     weights = weights_for(rng, expected_types(op, inputs))
     grad = lambda i: gradient(fn, i, op.differentiable, weights)  # noqa: E731
+    # Equal up to the order of float32 sums: on the H100, XLA compiled block mean pooling with
+    # uint8 cu_seqlens into another reduction order (2 of 18 elements 1 ulp apart).
     for how, run in (("eager", fn), ("jit", jitted(fn, inputs)), ("jit grad", jitted(grad, inputs))):
-        assert_equal(run(other), run(inputs), how)
+        assert_equal(run(other), run(inputs), how, rtol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", ["uint32", "uint8"])
