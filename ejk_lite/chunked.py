@@ -294,13 +294,15 @@ def _last_row(i_c, start, end, BT: tl.constexpr, REVERSE: tl.constexpr):
 @triton.jit
 def _load_gates(a, tok, valid, i_h, offs_k, mask_k, H: tl.constexpr, K: tl.constexpr, USE_GK: tl.constexpr):
     """Log-decays of rows ``tok`` (fp32), 0 outside the sequence (no decay: the sums below then
-    cover exactly the tokens inside). ``[rows, BK]`` for a per-key gate; ``[rows, 1]`` for a
-    scalar one, which broadcasts against the K axis the same way."""
+    cover exactly the tokens inside), ``[rows, BK]``: a scalar gate is broadcast along K, so that
+    every scan runs on a full tile (on an H100 Triton 3.6's scan lowering asserted on a kernel
+    whose scalar gates were ``[rows, 1]``; this shape is untested on a GPU yet)."""
     if USE_GK:  # one return, after the static if: Triton compares the types of all returns
         b_a = tl.load(a + (tok[:, None] * H + i_h) * K + offs_k[None, :],
                       mask=valid[:, None] & mask_k[None, :], other=0.0)
     else:
-        b_a = tl.load(a + (tok[:, None] * H + i_h), mask=valid[:, None], other=0.0)
+        b_a = tl.load(a + (tok * H + i_h), mask=valid, other=0.0)[:, None] + tl.zeros_like(
+            offs_k[None, :]).to(tl.float32)
     return b_a
 
 
