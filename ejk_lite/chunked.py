@@ -44,8 +44,8 @@ exponent here is the decay over a span of tokens *in walking order*, never posit
 error of ``|G|`` (a thousand, for strong decays) into an exponent that may be near 0: measured,
 that lost two orders of magnitude (2e-6 against the 8e-8 of the token-by-token walk, log-gates to
 -15 per token, C = 64). So the kernels take the per-token log-decays ``a`` themselves and form each
-exponent as a *direct* sum over exactly the tokens it spans: ``tl.cumsum`` of the chunk's rows
-from its start, a reverse ``tl.cumsum`` of the rows shifted by one for the span to its end, sums
+exponent as a *direct* sum over exactly the tokens it spans: the cumulative sum of the chunk's
+rows from its start, a reverse one of the rows shifted by one for the span to its end, sums
 of whole sub-chunks for the spans between two sub-chunks, and, on the diagonal blocks, a
 cumulative sum over ``i`` of ``a_s [s > j]`` for every pair. With ``a <= 0`` such sums never
 cancel. Rows outside the sequence (a short chunk) read ``a = 0``: no decay, so the sums cover
@@ -122,12 +122,6 @@ from ejk_lite.packing import cdiv, prepare_chunk_indices, prepare_chunk_offsets,
 # recurrent's argument checks and its plain-JAX reference: one import, so that moving them is a
 # one-line change.
 from ejk_lite.linear_attention import _scale, _validate, reference
-
-# The kernels pass every test in Triton's interpreter, but their first GPU check (H100, triton
-# 3.6, commit bff3d90) failed to compile them: "Inconsistent return types" in _load_gates (fixed
-# since, untested on a GPU) and "TTGIR->LLIR pass failed" in 8 tests, not located yet. Until a
-# GPU check passes, a GPU runs the XLA path (impl="auto") and refuses impl="triton".
-KERNELS_PASSED_ON_GPU = False
 
 __all__ = ["chunked_recurrent", "ChunkedConfig", "KernelConfig", "reference"]
 
@@ -295,8 +289,8 @@ def _last_row(i_c, start, end, BT: tl.constexpr, REVERSE: tl.constexpr):
 def _load_gates(a, tok, valid, i_h, offs_k, mask_k, H: tl.constexpr, K: tl.constexpr, USE_GK: tl.constexpr):
     """Log-decays of rows ``tok`` (fp32), 0 outside the sequence (no decay: the sums below then
     cover exactly the tokens inside), ``[rows, BK]``: a scalar gate is broadcast along K, so that
-    every scan runs on a full tile (on an H100 Triton 3.6's scan lowering asserted on a kernel
-    whose scalar gates were ``[rows, 1]``; this shape is untested on a GPU yet)."""
+    its prefix sums are products of full tiles (:func:`_prefix_sum`; ``tl.dot`` takes no side
+    shorter than 16)."""
     if USE_GK:  # one return, after the static if: Triton compares the types of all returns
         b_a = tl.load(a + (tok[:, None] * H + i_h) * K + offs_k[None, :],
                       mask=valid[:, None] & mask_k[None, :], other=0.0)
@@ -304,6 +298,21 @@ def _load_gates(a, tok, valid, i_h, offs_k, mask_k, H: tl.constexpr, K: tl.const
         b_a = tl.load(a + (tok * H + i_h), mask=valid, other=0.0)[:, None] + tl.zeros_like(
             offs_k[None, :]).to(tl.float32)
     return b_a
+
+
+@triton.jit
+def _prefix_sum(x, REVERSE: tl.constexpr):
+    """The cumulative sum of ``x`` [rows, cols] down its rows (from the last row up if
+    ``REVERSE``), as a product with a triangle of ones in float32 FMAs: each entry is the same
+    direct sum ``tl.cumsum`` forms. Not ``tl.cumsum`` itself: Triton 3.6's scan lowering asserts
+    (``AddPartialReduce``, triton issue 7817) when a scan's result meets a ``tl.dot`` layout, which
+    is every use here; it compiled in the interpreter and failed on the H100."""
+    r = tl.arange(0, x.shape[0])
+    if REVERSE:
+        tri = r[:, None] <= r[None, :]
+    else:
+        tri = r[:, None] >= r[None, :]
+    return tl.dot(tri.to(tl.float32), x, input_precision="ieee")
 
 
 @triton.jit
@@ -317,7 +326,7 @@ def _chunk_decays(a, r, i_c, start, end, row_base, i_h, offs_k, mask_k, H: tl.co
     b_a = _load_gates(a, tok, valid, i_h, offs_k, mask_k, H, K, USE_GK)
     tok1, valid1 = _rows(r + 1, i_c, start, end, row_base, BT, REVERSE)
     b_a1 = _load_gates(a, tok1, valid1, i_h, offs_k, mask_k, H, K, USE_GK)
-    return tl.cumsum(b_a, axis=0), tl.cumsum(b_a1, axis=0, reverse=True), tl.sum(b_a, axis=0)
+    return _prefix_sum(b_a, False), _prefix_sum(b_a1, True), tl.sum(b_a, axis=0)
 
 
 @triton.jit
@@ -341,7 +350,7 @@ def _sub_chunk_decays(a, i_cj, i_c, start, end, row_base, i_h, offs_k, mask_k, H
     b_a = _load_gates(a, tok, valid, i_h, offs_k, mask_k, H, K, True)
     tok1, valid1 = _rows(i_cj * BC + c + 1, i_c, start, end, row_base, BT, REVERSE)
     b_a1 = _load_gates(a, tok1, valid1 & (c + 1 < BC), i_h, offs_k, mask_k, H, K, True)
-    return tok, valid, b_a, tl.cumsum(b_a, axis=0), tl.cumsum(b_a1, axis=0, reverse=True)
+    return tok, valid, b_a, _prefix_sum(b_a, False), _prefix_sum(b_a1, True)
 
 
 @triton.jit
@@ -352,7 +361,10 @@ def _diagonal_decay(b_a, STRICT: tl.constexpr):
     ``exp(-inf) = 0``, never ``inf * 0``."""
     c = tl.arange(0, b_a.shape[0])
     after = c[:, None] > c[None, :]
-    span = tl.cumsum(tl.where(after[:, :, None], b_a[:, None, :], 0.0), axis=0)
+    ROWS: tl.constexpr = b_a.shape[0]
+    COLS: tl.constexpr = b_a.shape[1]
+    x = tl.where(after[:, :, None], b_a[:, None, :], 0.0)
+    span = tl.reshape(_prefix_sum(tl.reshape(x, [ROWS, ROWS * COLS]), False), [ROWS, ROWS, COLS])
     if STRICT:
         keep = after
     else:
@@ -365,7 +377,7 @@ def _decay_matrix(b_a, STRICT: tl.constexpr):
     """The scalar gate's ``[rows, rows]`` decay matrix, as :func:`_diagonal_decay`."""
     c = tl.arange(0, b_a.shape[0])
     after = c[:, None] > c[None, :]
-    span = tl.cumsum(tl.where(after, b_a[:, None], 0.0), axis=0)
+    span = _prefix_sum(tl.where(after, b_a[:, None], 0.0), False)
     if STRICT:
         keep = after
     else:
@@ -1217,10 +1229,7 @@ def chunked_recurrent(
     if sequence_parallelism_mesh_axis_name is not None:  # each shard holds a slice of the sequence
         return sequence_parallel.linear_attention(chunked_recurrent, **locals())
     # "auto": Triton on a GPU, XLA elsewhere (as every op), until the kernels pass on a GPU.
-    impl = resolve_impl(impl, auto="xla" if ON_GPU and not KERNELS_PASSED_ON_GPU else None)
-    if impl == "triton" and ON_GPU and not KERNELS_PASSED_ON_GPU:
-        raise ValueError("impl='triton': chunked_recurrent's Triton kernels have not passed on a "
-                         "GPU yet (see KERNELS_PASSED_ON_GPU); use impl='xla' or recurrent")
+    impl = resolve_impl(impl)
     cu_seqlens = _validate(query, key, value, g, g_gamma, gk, gv, initial_state, cu_seqlens)
     if gv is not None:
         raise ValueError("gv (a decay along V) is not supported by chunked_recurrent: it does not factor "

@@ -17,10 +17,6 @@ from ejk_lite.chunked import chunked_recurrent as _chunked_recurrent
 # The kernels, wherever the tests run ("auto" is XLA, the reference itself, on a CPU).
 chunked_recurrent = functools.partial(_chunked_recurrent, impl="triton")
 
-# Until the kernels pass on a GPU, a GPU refuses impl="triton" (ejk_lite/chunked.py says why).
-pytestmark = pytest.mark.skipif(ejk_lite.ON_GPU and not ejk_lite.chunked.KERNELS_PASSED_ON_GPU,
-                                reason="chunked_recurrent's kernels have not passed on a GPU yet")
-
 # recurrent's module (renamed in parallel; one place to change) and its reference.
 recurrent_module = importlib.import_module("ejk_lite.linear_attention")
 reference = recurrent_module.reference

@@ -400,19 +400,12 @@ def cases(applies: Callable[[Op], bool] = lambda op: True, with_layout: bool = F
     for op in OPS:
         for impl in op.impls if applies(op) else ():
             tag = f"{op.name}-{impl}" if impl else op.name
-            marks = [UNTESTED_ON_GPU] if (op.name, impl) == ("chunked_recurrent", "triton") else []
             if not with_layout:
-                params.append(pytest.param(op, impl, id=tag, marks=marks))
+                params.append(pytest.param(op, impl, id=tag))
                 continue
             for layout in layouts(op):
-                params.append(pytest.param(op, impl, layout, id=f"{tag}-{layout}", marks=marks))
+                params.append(pytest.param(op, impl, layout, id=f"{tag}-{layout}"))
     return params
-
-
-# chunked_recurrent refuses impl="triton" on a GPU until its kernels pass there (issue 18).
-UNTESTED_ON_GPU = pytest.mark.skipif(
-    ejk_lite.ON_GPU and not getattr(getattr(ejk_lite, "chunked", None), "KERNELS_PASSED_ON_GPU", True),
-    reason="chunked_recurrent's Triton kernels have not passed on a GPU yet")
 
 
 # ----------------------------------------------------------------------------------------------

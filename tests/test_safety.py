@@ -24,10 +24,7 @@ import ejk_lite
 from conftest import TOLERANCE
 
 CHILD = Path(__file__).with_name("safety_child.py")
-# chunked_recurrent's kernels have not passed on a GPU yet (ejk_lite/chunked.py): skipped there.
-_CHUNKED_UNTESTED = ejk_lite.ON_GPU and not ejk_lite.chunked.KERNELS_PASSED_ON_GPU
-OPS = ["local", "global", "mean", "blocks", "recurrent",
-       pytest.param("chunked", marks=pytest.mark.skipif(_CHUNKED_UNTESTED, reason="not on a GPU yet"))]
+OPS = ["local", "global", "mean", "blocks", "recurrent", "chunked"]
 KINDS = ["negative", "int_min", "int_max", "decreasing", "not_from_zero", "beyond_the_end", "uint32_wraps_negative"]
 
 
