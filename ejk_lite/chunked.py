@@ -286,33 +286,50 @@ def _last_row(i_c, start, end, BT: tl.constexpr, REVERSE: tl.constexpr):
 
 
 @triton.jit
-def _load_gates(a, tok, valid, i_h, offs_k, mask_k, H: tl.constexpr, K: tl.constexpr, USE_GK: tl.constexpr):
-    """Log-decays of rows ``tok`` (fp32), 0 outside the sequence (no decay: the sums below then
-    cover exactly the tokens inside), ``[rows, BK]``: a scalar gate is broadcast along K, so that
-    its prefix sums are products of full tiles (:func:`_prefix_sum`; ``tl.dot`` takes no side
-    shorter than 16)."""
-    if USE_GK:  # one return, after the static if: Triton compares the types of all returns
-        b_a = tl.load(a + (tok[:, None] * H + i_h) * K + offs_k[None, :],
-                      mask=valid[:, None] & mask_k[None, :], other=0.0)
-    else:
-        b_a = tl.load(a + (tok * H + i_h), mask=valid, other=0.0)[:, None] + tl.zeros_like(
-            offs_k[None, :]).to(tl.float32)
-    return b_a
+def _load_gates(a, tok, valid, i_h, offs_k, mask_k, H: tl.constexpr, K: tl.constexpr):
+    """Per-key log-decays of rows ``tok``, ``[rows, BK]`` fp32, 0 outside the sequence (no
+    decay: the sums below then cover exactly the tokens inside)."""
+    return tl.load(a + (tok[:, None] * H + i_h) * K + offs_k[None, :],
+                   mask=valid[:, None] & mask_k[None, :], other=0.0)
 
 
 @triton.jit
-def _prefix_sum(x, REVERSE: tl.constexpr):
-    """The cumulative sum of ``x`` [rows, cols] down its rows (from the last row up if
-    ``REVERSE``), as a product with a triangle of ones in float32 FMAs: each entry is the same
-    direct sum ``tl.cumsum`` forms. Not ``tl.cumsum`` itself: Triton 3.6's scan lowering asserts
-    (``AddPartialReduce``, triton issue 7817) when a scan's result meets a ``tl.dot`` layout, which
-    is every use here; it compiled in the interpreter and failed on the H100."""
-    r = tl.arange(0, x.shape[0])
+def _triangle(n: tl.constexpr, REVERSE: tl.constexpr):
+    """``[n, n]`` booleans: ``j <= i`` in row i (``j >= i`` if ``REVERSE``)."""
+    r = tl.arange(0, n)
     if REVERSE:
         tri = r[:, None] <= r[None, :]
     else:
         tri = r[:, None] >= r[None, :]
-    return tl.dot(tri.to(tl.float32), x, input_precision="ieee")
+    return tri
+
+
+@triton.jit
+def _prefix_sum(x, REVERSE: tl.constexpr):
+    """The cumulative sum of a tile ``x`` [rows, cols] down its rows (from the last row up if
+    ``REVERSE``), as a product with a triangle of ones on the tensor cores: each entry is the
+    direct sum ``tl.cumsum`` would form, up to the order of its additions.
+
+    Why a product: Triton 3.6's scan lowering asserts (``AddPartialReduce``, triton issue 7817)
+    when a scan's result meets a ``tl.dot`` layout, which is every use here; ``tl.cumsum`` ran in
+    the interpreter and failed to compile on the H100. Why two TF32 products: the ones are exact
+    in TF32, but one TF32 product keeps 11 bits of ``x``; so ``x = hi + lo`` with ``hi`` its top 11
+    bits (exact in TF32) and ``lo`` the rest (exact in float32, 11 of its bits kept: an error of
+    ~2**-21 of ``x``). Measured on the H100 (bf16, B4 T4096 H16 K=V=128, per-key gate, forward +
+    backward, one process each): float32 FMAs (``ieee``) 13.5 ms, Triton's ``tf32x3`` 6.4 ms,
+    these two TF32 products 6.6 ms, one TF32 product (too coarse) 5.2 ms. A scalar gate needs no
+    tile: :func:`_vector_prefix_sum` (its forward + backward: 7.3 ms with ``ieee`` tiles, 2.0 ms
+    with vectors)."""
+    tri = _triangle(x.shape[0], REVERSE).to(tl.float32)
+    hi = (x.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)  # 13 low bits cleared
+    return tl.dot(tri, x - hi, acc=tl.dot(tri, hi, input_precision="tf32"), input_precision="tf32")
+
+
+@triton.jit
+def _vector_prefix_sum(x, REVERSE: tl.constexpr):
+    """The cumulative sum of a vector ``x`` [rows] (a scalar gate's log-decays), as a masked
+    ``[rows, rows]`` reduction: float32 additions, no product, no scan."""
+    return tl.sum(tl.where(_triangle(x.shape[0], REVERSE), x[None, :], 0.0), axis=1)
 
 
 @triton.jit
@@ -320,24 +337,35 @@ def _chunk_decays(a, r, i_c, start, end, row_base, i_h, offs_k, mask_k, H: tl.co
                   BT: tl.constexpr, USE_GK: tl.constexpr, REVERSE: tl.constexpr):
     """For the chunk's rows ``r = 0 .. BT - 1``: the log-decay from the chunk's start to each row
     (inclusive: ``G_i``), from each row to the chunk's end (exclusive: ``Gamma - G_j``), and over the
-    whole chunk (``Gamma``), each a direct sum. The exclusive suffix is the reverse cumulative sum
-    of the rows shifted by one, not ``Gamma - G_j``."""
+    whole chunk (``Gamma``), each a direct sum, ``[BT, BK]`` and ``[BK]``. The exclusive suffix is
+    the reverse cumulative sum of the rows shifted by one, not ``Gamma - G_j``. A scalar gate's
+    sums are formed on ``[BT]`` vectors and broadcast along K."""
     tok, valid = _rows(r, i_c, start, end, row_base, BT, REVERSE)
-    b_a = _load_gates(a, tok, valid, i_h, offs_k, mask_k, H, K, USE_GK)
     tok1, valid1 = _rows(r + 1, i_c, start, end, row_base, BT, REVERSE)
-    b_a1 = _load_gates(a, tok1, valid1, i_h, offs_k, mask_k, H, K, USE_GK)
-    return _prefix_sum(b_a, False), _prefix_sum(b_a1, True), tl.sum(b_a, axis=0)
+    if USE_GK:
+        b_a = _load_gates(a, tok, valid, i_h, offs_k, mask_k, H, K)
+        b_a1 = _load_gates(a, tok1, valid1, i_h, offs_k, mask_k, H, K)
+        from_start, to_end = _prefix_sum(b_a, False), _prefix_sum(b_a1, True)
+        total = tl.sum(b_a, axis=0)
+    else:
+        b_a = tl.load(a + (tok * H + i_h), mask=valid, other=0.0)
+        b_a1 = tl.load(a + (tok1 * H + i_h), mask=valid1, other=0.0)
+        along_k = tl.zeros_like(offs_k).to(tl.float32)
+        from_start = _vector_prefix_sum(b_a, False)[:, None] + along_k[None, :]
+        to_end = _vector_prefix_sum(b_a1, True)[:, None] + along_k[None, :]
+        total = tl.sum(b_a, axis=0) + along_k
+    return from_start, to_end, total
 
 
 @triton.jit
 def _span_decay(a, lo, hi, i_c, start, end, row_base, i_h, offs_k, mask_k, H: tl.constexpr, K: tl.constexpr,
-                BT: tl.constexpr, USE_GK: tl.constexpr, REVERSE: tl.constexpr):
-    """The summed log-decay of walking rows ``lo <= r < hi`` of the chunk (the sub-chunks between
-    two others), a ``[BK]`` vector."""
+                BT: tl.constexpr, REVERSE: tl.constexpr):
+    """The summed per-key log-decay of walking rows ``lo <= r < hi`` of the chunk (the sub-chunks
+    between two others), a ``[BK]`` vector."""
     r = tl.arange(0, BT)
     tok, valid = _rows(r, i_c, start, end, row_base, BT, REVERSE)
     valid = valid & (r >= lo) & (r < hi)
-    return tl.sum(_load_gates(a, tok, valid, i_h, offs_k, mask_k, H, K, USE_GK), axis=0)
+    return tl.sum(_load_gates(a, tok, valid, i_h, offs_k, mask_k, H, K), axis=0)
 
 
 @triton.jit
@@ -347,9 +375,9 @@ def _sub_chunk_decays(a, i_cj, i_c, start, end, row_base, i_h, offs_k, mask_k, H
     sub-chunk's start to each row (inclusive) and from each row to its end (exclusive)."""
     c = tl.arange(0, BC)
     tok, valid = _rows(i_cj * BC + c, i_c, start, end, row_base, BT, REVERSE)
-    b_a = _load_gates(a, tok, valid, i_h, offs_k, mask_k, H, K, True)
+    b_a = _load_gates(a, tok, valid, i_h, offs_k, mask_k, H, K)
     tok1, valid1 = _rows(i_cj * BC + c + 1, i_c, start, end, row_base, BT, REVERSE)
-    b_a1 = _load_gates(a, tok1, valid1 & (c + 1 < BC), i_h, offs_k, mask_k, H, K, True)
+    b_a1 = _load_gates(a, tok1, valid1 & (c + 1 < BC), i_h, offs_k, mask_k, H, K)
     return tok, valid, b_a, _prefix_sum(b_a, False), _prefix_sum(b_a1, True)
 
 
@@ -486,7 +514,7 @@ def _attention_kernel(
                 tok_j, valid_j, _, _, to_end_j = _sub_chunk_decays(a, i_cj, i_c, start, end, row_base, i_h,
                                                                    offs_k, mask_k, H, K, BT, BC, REVERSE)
                 between = _span_decay(a, (i_cj + 1) * BC, i_ci * BC, i_c, start, end, row_base, i_h, offs_k,
-                                      mask_k, H, K, BT, True, REVERSE)
+                                      mask_k, H, K, BT, REVERSE)
                 b_q = _load_rows(q + i_h * K, tok_i, valid_i, offs_k, mask_k, H * K).to(tl.float32)
                 b_k = _load_rows(k + i_kv * K, tok_j, valid_j, offs_k, mask_k, H_KV * K).to(tl.float32)
                 b_qg = b_q * tl.exp(from_start_i)
@@ -689,7 +717,7 @@ def _intra_grads_kernel(
         tok_j, valid_j, _, _, to_end_j = _sub_chunk_decays(a, i_cj, i_c, start, end, row_base, i_h, offs_k,
                                                            mask_k, H, K, BT, BC, REVERSE)
         between = _span_decay(a, (i_cj + 1) * BC, i_ci * BC, i_c, start, end, row_base, i_h, offs_k, mask_k,
-                              H, K, BT, True, REVERSE)
+                              H, K, BT, REVERSE)
         b_kj = _load_rows(k + i_kv * K, tok_j, valid_j, offs_k, mask_k, H_KV * K).to(tl.float32)
         b_da = tl.load(da_rows + i_cj * BC + c[None, :], mask=valid_i[:, None], other=0.0)
         b_dq += tl.dot(b_da, b_kj * tl.exp(to_end_j + between[None, :]), input_precision=F32_DOT)
@@ -702,7 +730,7 @@ def _intra_grads_kernel(
         tok_j, valid_j, _, from_start_j, _ = _sub_chunk_decays(a, i_cj, i_c, start, end, row_base, i_h, offs_k,
                                                                mask_k, H, K, BT, BC, REVERSE)
         between = _span_decay(a, (i_ci + 1) * BC, i_cj * BC, i_c, start, end, row_base, i_h, offs_k, mask_k,
-                              H, K, BT, True, REVERSE)
+                              H, K, BT, REVERSE)
         b_qj = _load_rows(q + i_h * K, tok_j, valid_j, offs_k, mask_k, H * K).to(tl.float32) * SCALE
         # [BC (queries in J), BC (keys in I)]: the block of dA in rows J, columns I.
         b_da = tl.load(dA + (tok_j[:, None] * H + i_h) * BT + i_ci * BC + c[None, :], mask=valid_j[:, None],
