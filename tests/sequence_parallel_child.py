@@ -5,7 +5,8 @@ run in the pytest process (whose JAX has long started with one device)::
 
     XLA_FLAGS=--xla_force_host_platform_device_count=4 python sequence_parallel_child.py GROUP
 
-``GROUP`` is ``attention``, ``zigzag``, ``balance``, ``recurrent``, ``packed`` or ``errors``.
+``GROUP`` is ``attention``, ``zigzag``, ``balance``, ``recurrent``, ``packed``, ``chunked`` or
+``errors``.
 Every case runs the op under ``jax.shard_map`` on a mesh of 1, 2 and 4 shards and prints, per
 mesh, one JSON line: the relative errors of the output and of every gradient against the float64
 reference on the whole sequence (``"reference"``) and against the same op on one device
@@ -25,7 +26,8 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import ejk_lite  # noqa: F401  (settles TRITON_INTERPRET before the kernels are defined)
-from ejk_lite import BlockSizes, blocksparse_attention, make_block_mask, recurrent
+from ejk_lite import (BlockSizes, blocksparse_attention, chunked_recurrent, make_block_mask,
+                      recurrent)
 from ejk_lite import sequence_parallel as sp
 from ejk_lite.attention import reference as attention_reference
 
@@ -37,6 +39,8 @@ SHARDS = tuple(n for n in (1, 2, 4) if n <= len(jax.devices()))
 # The kernels, where the op also has an XLA implementation (which "auto" picks on a CPU).
 RECURRENT = (functools.partial(recurrent, impl="triton")
              if "impl" in inspect.signature(recurrent).parameters else recurrent)
+# chunked_recurrent's kernels, in the smallest chunks: slices of one, two or three chunks.
+CHUNKED = functools.partial(chunked_recurrent, chunk_size=16, impl="triton")
 BLOCKS = BlockSizes(16, 16)  # the smallest tl.dot tile: several tiles per shard
 rng = np.random.default_rng(20260)
 
@@ -290,6 +294,25 @@ def group_packed():
                        cu_seqlens=np.array([0], np.int32), reference=no_sequence)
 
 
+def group_chunked():
+    """``chunked_recurrent`` through the same exchange: its own kernels on each slice, which the
+    chunks do not divide (a shard's last chunk is short, and of 4 shards every chunk is)."""
+    t = 40  # 10 tokens per shard of 4; 20 per shard of 2 (a chunk of 16 and a short one)
+    gates = ("g", "g_gamma", "gk")  # every gate it takes (gv does not factor into chunks)
+    run_recurrent_case("chunked_g", recurrent_inputs(RB, t, ("g",), with_state=True),
+                       op=CHUNKED)
+    run_recurrent_case("chunked_all_reverse", recurrent_inputs(RB, t, gates, with_state=True),
+                       reverse=True, op=CHUNKED)
+    # Sequences: [0, 3), an empty one, [3, 30) across the boundaries at 10 and 20 (of 4 shards:
+    # one whole shard in between; of 2: across the chunk boundary at 16 too) and ending on the
+    # one at 30, [30, 34) starting on it, [34, 38), and two tokens of padding.
+    cu = np.array([0, 3, 3, 30, 34, 38], np.int32)
+    for reverse in (False, True):
+        arrays = recurrent_inputs(1, t, gates, with_state=True, num_states=len(cu) - 1)
+        run_recurrent_case(f"chunked_packed_all{'_reverse' if reverse else ''}", arrays,
+                           cu_seqlens=cu, reverse=reverse, op=CHUNKED)
+
+
 # ----------------------------------------------------------------------------------------------
 # Bad arguments.
 # ----------------------------------------------------------------------------------------------
@@ -350,6 +373,18 @@ def group_errors():
     if SHARDS[-1] > 1:
         raises("recurrent_seq_len_does_not_divide", lambda: rec(n=SHARDS[-1], xs=recurrent_inputs(
             1, odd, (), False)))
+
+    def chunked(axis_name="sp", xs=arrays, **kw):
+        def local(*values):  # by name: gv is not the fourth argument
+            return CHUNKED(**dict(zip(xs, values)), sequence_parallelism_mesh_axis_name=axis_name,
+                           **kw)
+        return jax.shard_map(local, mesh=mesh(min(2, SHARDS[-1])),
+                             in_specs=(P(None, "sp"),) * len(xs),
+                             out_specs=(P(None, "sp"), P()))(*xs.values())
+
+    raises("chunked_unbound_axis", lambda: chunked("nope"))
+    raises("chunked_gv", lambda: chunked(xs=recurrent_inputs(1, 8, ("gv",), False)))
+    raises("chunked_chunk_size", lambda: chunked(chunk_size=8))
 
 
 if __name__ == "__main__":

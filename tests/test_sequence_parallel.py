@@ -34,6 +34,8 @@ CASES = {
     "packed": ["packed_none", "packed_all", "packed_all_reverse", "packed_one_long",
                "packed_all_reverse_scan",
                "packed_empty_sequences", "packed_no_sequence"],
+    "chunked": ["chunked_g", "chunked_all_reverse", "chunked_packed_all",
+                "chunked_packed_all_reverse"],
 }
 
 
@@ -88,6 +90,9 @@ ERRORS = {
     "recurrent_cu_seqlens_past_the_end": "cu_seqlens[-1] = 9 is beyond the 8 tokens",
     "recurrent_cu_seqlens_batch": "cu_seqlens packs sequences along one row",
     "recurrent_seq_len_does_not_divide": "does not evenly divide",
+    "chunked_unbound_axis": "sequence_parallelism_mesh_axis_name='nope' is not an axis",
+    "chunked_gv": "gv (a decay along V) is not supported by chunked_recurrent",
+    "chunked_chunk_size": "chunk_size must be 16, 32, 64 or 128",
 }
 if SHARDS[-1] == 1:  # one device: every length divides
     del ERRORS["attention_seq_len_does_not_divide"], ERRORS["recurrent_seq_len_does_not_divide"]
