@@ -460,8 +460,9 @@ def roofline_figure(rows: list[dict], *, peaks: Peaks = H100_SXM, copy_gbs: floa
     (solid) and up to the float32 peak (dashed); with ``copy_gbs``, the measured copy
     bandwidth's slope (dotted); with ``matmul_tflops``, a measured matrix product's rate
     (dash-dot). Each row of :func:`roofline_rows` is a point: its colour names its group
-    (``group(row)``; default: the op for our rows, the implementation for a peer's), its marker
-    the pass; peers are hollow. A point on a roof is at its floor.
+    (``group(row)``; default: the op for our rows, the implementation for a peer's; our first
+    group has its op's colour of ``OP_COLOURS``, in every chapter), its marker the pass; peers
+    are hollow. A point on a roof is at its floor.
     """
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
@@ -470,8 +471,9 @@ def roofline_figure(rows: list[dict], *, peaks: Peaks = H100_SXM, copy_gbs: floa
     colours, filled, peers = {}, {}, iter(PEER_COLOURS)
     for r in rows:
         g = group(r)
-        if g not in colours:
-            colours[g] = OP_COLOURS.get(g) if r["ours"] and g in OP_COLOURS else next(peers)
+        if g not in colours:  # our first group in its op's colour
+            own = OP_COLOURS.get(r["op"]) if r["ours"] else None
+            colours[g] = own if own and own not in colours.values() else next(peers)
             filled[g] = r["ours"]
     intensities = [r["cost"].intensity for r in rows] or [1.0]
     rates = [r["tflops"] for r in rows] or [1.0]
