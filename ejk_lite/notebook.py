@@ -375,8 +375,9 @@ OURS = ("triton", "chunked", "recurrent")  # our kernels' impl names in bench/re
 
 
 def roofline_rows(op: str, data: dict, impls=None, peaks: Peaks = H100_SXM) -> list[dict]:
-    """Each timed row of a results file (``impls``: only these implementations) with its cost,
-    the achieved rates and two floors. ``floor``: from the datasheet's ``peaks``.
+    """Each timed row of a results file (``impls``: only these implementations; the file's own
+    row under ``row``, its shape as a list under ``shape``) with its cost, the achieved rates
+    and two floors. ``floor``: from the datasheet's ``peaks``.
     ``measured_floor``: from the ceilings measured in the same run, the copy bandwidth
     (``copy_bandwidth_gbs``) and, for tensor-core work where the file has one, a bf16 matrix
     product's rate (``matmul_bf16_tflops``); the datasheet's rate otherwise. None where the file
@@ -396,7 +397,8 @@ def roofline_rows(op: str, data: dict, impls=None, peaks: Peaks = H100_SXM) -> l
         measured = floor_ms(cost.bytes, cost.flops, copy_gbs, rate) if copy_gbs else None
         found.append(dict(
             op=op, name=row["name"], impl=row["impl"], direction=row["direction"],
-            dtype=row.get("dtype", ""), ours=row["impl"] in OURS, cost=cost, ms=ms,
+            dtype=row.get("dtype", ""), ours=row["impl"] in OURS, row=row,
+            shape=_shape(row) if "shape" in row else None, cost=cost, ms=ms,
             tflops=cost.flops / (ms * 1e-3) / 1e12, gbs=cost.bytes / (ms * 1e-3) / 1e9,
             floor=floor, measured_floor=measured, share=floor.ms / ms,
             measured_share=None if measured is None else measured.ms / ms))
@@ -495,9 +497,6 @@ def roofline_figure(rows: list[dict], *, peaks: Peaks = H100_SXM, copy_gbs: floa
             ha="right", va="bottom", fontsize=10)
     ax.text(x_hi / 1.2, peaks.fp32_tflops * 1.12, f"float32 {peaks.fp32_tflops:.0f}",
             ha="right", va="bottom", fontsize=10)
-    x_text = x_lo * 1.6
-    ax.text(x_text, x_text * peaks.bandwidth_gbs / 1e3 * 6,
-            f"{peaks.bandwidth_gbs / 1e3:.2f} TB/s", ha="left", va="bottom", fontsize=10)
     lines = [Line2D([], [], color="black", lw=1.8, label="datasheet roofs")]
     if copy_gbs:
         ax.plot(xs, roof(copy_gbs, peaks.tensor_tflops), color="0.45", lw=1.2, ls=":")
@@ -524,4 +523,12 @@ def roofline_figure(rows: list[dict], *, peaks: Peaks = H100_SXM, copy_gbs: floa
                fontsize=10)
     rows_of_legend = -(-len(handles + lines) // 3)
     fig.tight_layout(rect=(0, (0.15 + 0.24 * rows_of_legend) / figsize[1], 1, 1))
+    # The bandwidth's label along its roof, a third of the way to the ridge (the angle is
+    # taken once the axes have their final size).
+    x_text = x_lo * (min(ridge, x_hi) / x_lo) ** 0.3
+    y_text = x_text * peaks.bandwidth_gbs / 1e3
+    a, b = ax.transData.transform([(x_text, y_text), (x_text * 10, y_text * 10)])
+    ax.text(x_text, y_text * 1.5, f"{peaks.bandwidth_gbs / 1e3:.2f} TB/s", fontsize=10,
+            rotation=math.degrees(math.atan2(b[1] - a[1], b[0] - a[0])),
+            rotation_mode="anchor", ha="left", va="bottom")
     return fig
