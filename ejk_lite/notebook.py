@@ -1,5 +1,6 @@
-"""Helpers for the book's notebooks: figures with live controls, the recorded GPU results, and
-the checker of the exercises.
+"""Helpers for the book's notebooks: figures with live controls, the recorded GPU results, the
+checker of the exercises, and the rooflines (what an op must move and compute, the floor that
+sets on a GPU, and one figure for every chapter).
 
 None is needed to use the kernels; they are here so that a chapter downloaded from the built
 book and opened on a hosted notebook (where only the installed package is at hand) runs as it
@@ -22,11 +23,16 @@ book's ``_config.yml`` drops widget views from HTML) instead of showing dead sli
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
+import re
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
-__all__ = ["check_exercise", "live_figure", "recorded_results"]
+__all__ = ["H100_SXM", "Cost", "Floor", "Peaks", "check_exercise", "floor_ms", "live_figure",
+           "recorded_label", "recorded_results", "roofline_figure", "roofline_rows",
+           "roofline_table", "row_cost"]
 
 
 def live_figure(draw: Callable[..., Any], placeholder: str | None = None,
@@ -172,3 +178,357 @@ def _fetch_results(name: str | None, found: RecordedResults) -> RecordedResults:
             found.clear()
             found.reason = f"{here}, and fetching it from {base} failed ({error})."
     return found
+
+
+# ----------------------------------------------------------------------------------------------
+# Rooflines: the fewest bytes an op must move and the flops it must do, the floor these set on a
+# GPU, and one figure that every chapter draws the same way.
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Peaks:
+    """A GPU's peak figures, as its maker's datasheet states them.
+
+    ``bandwidth_gbs``: device memory, GB/s. ``tensor_tflops``: bf16/fp16 tensor-core products
+    with float32 accumulation, dense (no structured sparsity). ``fp32_tflops``: ordinary float32
+    arithmetic on the CUDA cores, a fused multiply-add counted as two flops.
+    """
+
+    device: str
+    bandwidth_gbs: float
+    tensor_tflops: float
+    fp32_tflops: float
+    source: str
+
+    def tflops(self, unit: str) -> float:
+        """The peak of ``unit``: ``"tensor"`` (work done with ``tl.dot``) or ``"fp32"``."""
+        if unit not in ("tensor", "fp32"):
+            raise ValueError(f"unit must be 'tensor' or 'fp32', got {unit!r}")
+        return self.tensor_tflops if unit == "tensor" else self.fp32_tflops
+
+
+H100_SXM = Peaks(
+    device="NVIDIA H100 SXM5 80 GB (HBM3)", bandwidth_gbs=3350.0, tensor_tflops=989.0,
+    fp32_tflops=67.0,
+    source="NVIDIA H100 Tensor Core GPU datasheet, H100 SXM column: GPU memory bandwidth "
+           "3.35 TB/s; BF16 Tensor Core 1,979 TFLOPS, a figure quoted with 2:4 structured "
+           "sparsity, so 989 TFLOPS dense; FP32 67 TFLOPS")
+
+
+class Cost(NamedTuple):
+    """What an op must do: ``bytes`` moved (each input read once, each output written once),
+    ``flops``, and the ``unit`` that does them (``"tensor"``: ``tl.dot``; ``"fp32"``: plain
+    float32 arithmetic)."""
+
+    bytes: float
+    flops: float
+    unit: str
+
+    @property
+    def intensity(self) -> float:
+        """Arithmetic intensity: flops per byte moved."""
+        return self.flops / self.bytes
+
+
+class Floor(NamedTuple):
+    """The time to move the bytes at full bandwidth and the time to do the flops at full rate;
+    the larger of the two (``ms``) is the floor, and names what ``bound`` the op."""
+
+    memory_ms: float
+    compute_ms: float
+
+    @property
+    def ms(self) -> float:
+        return max(self.memory_ms, self.compute_ms)
+
+    @property
+    def bound(self) -> str:
+        return "memory" if self.memory_ms >= self.compute_ms else "compute"
+
+
+def floor_ms(n_bytes: float, flops: float, bandwidth_gbs: float, tflops: float) -> Floor:
+    """The floor of an op that moves ``n_bytes`` and does ``flops`` on a machine that moves
+    ``bandwidth_gbs`` GB/s and computes ``tflops`` TFLOP/s: ``max(bytes / bandwidth, flops /
+    rate)`` (both parts are in the result). No implementation runs faster than the floor; how
+    close it comes is the measured time's share of it."""
+    if not (bandwidth_gbs > 0 and tflops > 0):
+        raise ValueError(f"bandwidth_gbs and tflops must be > 0, got {bandwidth_gbs}, {tflops}")
+    if n_bytes < 0 or flops < 0:
+        raise ValueError(f"n_bytes and flops must be >= 0, got {n_bytes}, {flops}")
+    return Floor(memory_ms=n_bytes / (bandwidth_gbs * 1e9) * 1e3,
+                 compute_ms=flops / (tflops * 1e12) * 1e3)
+
+
+# The count of each op, as its chapter works it out (the chapters show the arithmetic and check
+# it against these). Sizes: B batch, T tokens, H heads, K and V key and value widths.
+
+
+def cumsum_cost(shape, itemsize: int) -> Cost:
+    """A cumulative sum (local or global, either direction): read every element, write every
+    sum, one addition per element."""
+    n = math.prod(shape)
+    return Cost(bytes=2 * n * itemsize, flops=n, unit="fp32")
+
+
+def mean_pooling_cost(tokens: int, features: int, outputs: int, direction: str,
+                      itemsize: int = 2) -> Cost:
+    """Mean pooling of ``tokens`` rows of ``features`` into ``outputs`` means (sequences or
+    blocks). Forward: read x, write the means, one addition per element of x. Backward: read
+    the means' gradient, write x's, one division per mean (then copies)."""
+    n_bytes = (tokens + outputs) * features * itemsize
+    flops = tokens * features if direction == "fwd" else outputs * features
+    return Cost(bytes=n_bytes, flops=flops, unit="fp32")
+
+
+def recurrent_cost(B: int, T: int, H: int, K: int, V: int, gated: bool, direction: str,
+                   itemsize: int = 2) -> Cost:
+    """The token-by-token recurrence (``ejk_lite.recurrent``), no ``tl.dot``: per token and
+    state element the forward decays (1 flop, with a gate), adds k v^T (2) and forms q h (2).
+    The backward's forward sweep rebuilds h (1 + 2) and forms dq (2); its reverse sweep decays
+    dh (1), adds q^T do (2) and forms dk and dv (2 + 2). ``fwd+bwd`` is one op: q, k, v, the
+    per-key gate and do read once; o and every gradient written once."""
+    g = int(bool(gated))
+    per_token = (2 * K + 2 * V + g * K) if direction == "fwd" else (4 * K + 4 * V + 2 * g * K)
+    per_state = (4 + g) if direction == "fwd" else (4 + g) + (4 + g) + (6 + g)
+    return Cost(bytes=B * T * H * per_token * itemsize, flops=B * T * H * K * V * per_state,
+                unit="fp32")
+
+
+def chunked_cost(B: int, T: int, H: int, K: int, V: int, gate: str, direction: str,
+                 chunk: int = 64, itemsize: int = 2) -> Cost:
+    """The chunked recurrence (``ejk_lite.chunked_recurrent``) in chunks of ``chunk`` tokens,
+    its products on tensor cores. Per token, forward: q k^T over the chunk's whole C x C tile
+    (2 C K), A v (2 C V), q H (2 K V) and the state update k^T v (2 K V). The backward does two
+    products for each forward one (the gradients of both factors) and recomputes the states
+    (2 K V more). ``gate``: ``"g"`` (one per token and head) or ``"gk"`` (one per key
+    feature); the per-key gate's elementwise work on the diagonal sub-chunks is not counted."""
+    gate_bytes = {"g": B * T * H, "gk": B * T * H * K}[gate] * itemsize
+    forward = 2 * chunk * K + 2 * chunk * V + 4 * K * V
+    if direction == "fwd":
+        n_bytes, per_token = B * T * H * (2 * K + 2 * V) * itemsize + gate_bytes, forward
+    else:
+        n_bytes = B * T * H * (4 * K + 4 * V) * itemsize + 2 * gate_bytes
+        per_token = 3 * forward + 2 * K * V
+    return Cost(bytes=n_bytes, flops=B * T * H * per_token, unit="tensor")
+
+
+def attention_cost(B: int, Hq: int, Hkv: int, T: int, D: int, visible_pairs: float,
+                   direction: str, itemsize: int = 2) -> Cost:
+    """Softmax attention over ``visible_pairs`` (query, key) pairs (summed over batch rows and
+    query heads). Forward: q k^T and p v, 2 D flops each per pair; read q, k, v, write o.
+    ``fwd+bwd``: FlashAttention's count, 3.5 x the forward (the backward's five products: q k^T
+    again, do v^T, p^T do, ds^T q, ds k); q, k, v, do read once, o, dq, dk, dv written once."""
+    if direction == "fwd":
+        n_bytes, flops = 2 * B * T * D * (Hq + Hkv) * itemsize, 4 * D * visible_pairs
+    else:
+        n_bytes, flops = 4 * B * T * D * (Hq + Hkv) * itemsize, 3.5 * 4 * D * visible_pairs
+    return Cost(bytes=n_bytes, flops=flops, unit="tensor")
+
+
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def _pooling_sizes(name: str, n_bytes: float) -> tuple[int, int, int]:
+    """(tokens, features, outputs) of a bench/mean_pooling.py case, from its name. A packed
+    batch's block count depends on its random lengths: read off the recorded bytes."""
+    padded = re.search(r"padded (\d+)x(\d+)x(\d+)", name)
+    packed = re.search(r"packed (\d+) seqs, (\d+) tok x(\d+)", name)
+    block = re.search(r"block_size=(\d+)", name)
+    if padded:
+        b, t, f = map(int, padded.groups())
+        tokens, outputs = b * t, b * (-(-t // int(block.group(1))) if block else 1)
+    elif packed:
+        seqs, tokens, f = map(int, packed.groups())
+        outputs = int(n_bytes) // (2 * f) - tokens if block else seqs
+    else:
+        raise ValueError(f"not a mean pooling case: {name!r}")
+    return tokens, f, outputs
+
+
+def _shape(row: dict) -> list[int]:
+    shape = row["shape"]  # a list, or its JSON text (bench/cumsum.py writes "[8, 8192, 16]")
+    return [int(n) for n in (json.loads(shape) if isinstance(shape, str) else shape)]
+
+
+def row_cost(op: str, row: dict, chunk: int = 64) -> Cost | None:
+    """The :class:`Cost` of one row of ``bench/results/<op>.json`` (None for an op with no
+    count here). ``chunk``: the chunked recurrence's chunk size (the benchmark's default)."""
+    direction = row["direction"]
+    if op == "cumsum":
+        return cumsum_cost(_shape(row), _ITEMSIZE[row["dtype"]])
+    if op == "mean_pooling":
+        return mean_pooling_cost(*_pooling_sizes(row["name"], row["bytes"]), direction)
+    if op == "recurrent":
+        B, T, H, D = _shape(row)
+        return recurrent_cost(B, T, H, D, D, row["name"].endswith(" gk"), direction)
+    if op == "chunked":
+        B, T, H, D = _shape(row)
+        return chunked_cost(B, T, H, D, D, row["gate"], direction, chunk)
+    if op == "attention":
+        B, Hq, Hkv, T, D = _shape(row)
+        return attention_cost(B, Hq, Hkv, T, D, row["visible_pairs"], direction)
+    return None
+
+
+OURS = ("triton", "chunked", "recurrent")  # our kernels' impl names in bench/results
+
+
+def roofline_rows(op: str, data: dict, impls=None, peaks: Peaks = H100_SXM) -> list[dict]:
+    """Each timed row of a results file (``impls``: only these implementations; the file's own
+    row under ``row``, its shape as a list under ``shape``) with its cost, the achieved rates
+    and two floors. ``floor``: from the datasheet's ``peaks``.
+    ``measured_floor``: from the ceilings measured in the same run, the copy bandwidth
+    (``copy_bandwidth_gbs``) and, for tensor-core work where the file has one, a bf16 matrix
+    product's rate (``matmul_bf16_tflops``); the datasheet's rate otherwise. None where the file
+    has no copy bandwidth. ``share`` and ``measured_share``: the floor as a share of the
+    measured time, 1 at the floor."""
+    copy_gbs, matmul = data.get("copy_bandwidth_gbs"), data.get("matmul_bf16_tflops")
+    found = []
+    for row in data.get("rows", []):
+        if impls is not None and row["impl"] not in impls or not row.get("median_ms"):
+            continue
+        cost = row_cost(op, row)
+        if cost is None:
+            continue
+        ms = row["median_ms"]
+        floor = floor_ms(cost.bytes, cost.flops, peaks.bandwidth_gbs, peaks.tflops(cost.unit))
+        rate = matmul if cost.unit == "tensor" and matmul else peaks.tflops(cost.unit)
+        measured = floor_ms(cost.bytes, cost.flops, copy_gbs, rate) if copy_gbs else None
+        found.append(dict(
+            op=op, name=row["name"], impl=row["impl"], direction=row["direction"],
+            dtype=row.get("dtype", ""), ours=row["impl"] in OURS, row=row,
+            shape=_shape(row) if "shape" in row else None, cost=cost, ms=ms,
+            tflops=cost.flops / (ms * 1e-3) / 1e12, gbs=cost.bytes / (ms * 1e-3) / 1e9,
+            floor=floor, measured_floor=measured, share=floor.ms / ms,
+            measured_share=None if measured is None else measured.ms / ms))
+    return found
+
+
+def recorded_label(data: dict, stem: str) -> str:
+    """"recorded on <device> (bench/results/<stem>.json, commit ..., date ...)": how a chapter
+    labels a GPU figure it shows."""
+    commit = data.get("commit")
+    commit = f"commit {commit[:7]}" if commit else "commit not recorded"
+    line = (f"recorded on an {data.get('device', 'unknown GPU')} (bench/results/{stem}.json, "
+            f"{commit}, {str(data.get('date', 'date not recorded'))[:10]})")
+    if str(data.get("source", "")).startswith("TRANSCRIBED"):
+        line += ", transcribed from the run's log (the file's `source` says why)"
+    return line
+
+
+def roofline_table(rows: list[dict], case=None) -> str:
+    """An HTML table of :func:`roofline_rows`: the intensity (flop/B), which resource bounds
+    it, the two floors, the measured time and the share of each floor reached. ``case(row)``:
+    the text of the first column."""
+    from html import escape
+
+    case = case or (lambda r: f"{r['name']}, {r['dtype']}")
+    header = ["case", "impl", "pass", "flop/B", "bound", "floor, datasheet (ms)",
+              "floor, measured ceilings (ms)", "measured (ms)", "share of the datasheet floor",
+              "share of the measured floor"]
+
+    def pct(x):
+        return "n/a" if x is None else f"{100 * x:.1f}%"
+
+    body = []
+    for r in rows:
+        cells = [escape(case(r)), escape(r["impl"]), escape(r["direction"]),
+                 f"{r['cost'].intensity:.3g}", r["floor"].bound, f"{r['floor'].ms:.4f}",
+                 "n/a" if r["measured_floor"] is None else f"{r['measured_floor'].ms:.4f}",
+                 f"{r['ms']:.4f}", pct(r["share"]), pct(r["measured_share"])]
+        body.append("<tr>" + "".join(
+            f"<td style='padding:2px 6px;text-align:{'left' if i < 3 else 'right'}'>{c}</td>"
+            for i, c in enumerate(cells)) + "</tr>")
+    head = "".join(f"<th style='padding:2px 6px;vertical-align:bottom'>{escape(h)}</th>"
+                   for h in header)
+    return (f"<table style='font-size:0.85em;border-collapse:collapse'><tr>{head}</tr>"
+            + "".join(body) + "</table>")
+
+
+# One colour per op, the same in every chapter; peers in neutral tones, hollow.
+OP_COLOURS = {"cumsum": "tab:blue", "mean_pooling": "tab:orange", "recurrent": "tab:green",
+              "chunked": "tab:purple", "attention": "tab:red"}
+PEER_COLOURS = ("0.25", "tab:brown", "tab:olive", "tab:cyan", "tab:pink", "0.6")
+DIRECTION_MARKERS = {"fwd": "o", "bwd": "s", "fwd+bwd": "D"}
+
+
+def roofline_figure(rows: list[dict], *, peaks: Peaks = H100_SXM, copy_gbs: float | None = None,
+                    matmul_tflops: float | None = None, group=None, title: str | None = None,
+                    figsize=(7.5, 5.6)):
+    """The roofline: arithmetic intensity (flops per byte) against achieved TFLOP/s, log-log.
+
+    The roofs are the datasheet's (``peaks``): bandwidth x intensity up to the tensor-core peak
+    (solid) and up to the float32 peak (dashed); with ``copy_gbs``, the measured copy
+    bandwidth's slope (dotted); with ``matmul_tflops``, a measured matrix product's rate
+    (dash-dot). Each row of :func:`roofline_rows` is a point: its colour names its group
+    (``group(row)``; default: the op for our rows, the implementation for a peer's; our first
+    group has its op's colour of ``OP_COLOURS``, in every chapter), its marker the pass; peers
+    are hollow. A point on a roof is at its floor.
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+
+    group = group or (lambda r: r["op"] if r["ours"] else r["impl"])
+    colours, filled, peers = {}, {}, iter(PEER_COLOURS)
+    for r in rows:
+        g = group(r)
+        if g not in colours:  # our first group in its op's colour
+            own = OP_COLOURS.get(r["op"]) if r["ours"] else None
+            colours[g] = own if own and own not in colours.values() else next(peers)
+            filled[g] = r["ours"]
+    intensities = [r["cost"].intensity for r in rows] or [1.0]
+    rates = [r["tflops"] for r in rows] or [1.0]
+    ridge = peaks.tensor_tflops * 1e3 / peaks.bandwidth_gbs
+    x_lo = 10 ** math.floor(math.log10(min(intensities) / 2))
+    x_hi = 10 ** math.ceil(math.log10(max(max(intensities) * 2, ridge * 4)))
+    y_lo = 10 ** math.floor(math.log10(min(rates) / 2))
+    y_hi = 10 ** math.ceil(math.log10(peaks.tensor_tflops * 1.5))
+
+    fig, ax = plt.subplots(figsize=figsize)
+    xs = [x_lo * (x_hi / x_lo) ** (i / 200) for i in range(201)]
+
+    def roof(bandwidth, peak):
+        return [min(x * bandwidth / 1e3, peak) for x in xs]
+
+    ax.plot(xs, roof(peaks.bandwidth_gbs, peaks.tensor_tflops), color="black", lw=1.8)
+    ax.plot(xs, roof(peaks.bandwidth_gbs, peaks.fp32_tflops), color="black", lw=1.2, ls="--")
+    ax.text(x_hi / 1.2, peaks.tensor_tflops * 1.12, f"tensor cores {peaks.tensor_tflops:.0f}",
+            ha="right", va="bottom", fontsize=10)
+    ax.text(x_hi / 1.2, peaks.fp32_tflops * 1.12, f"float32 {peaks.fp32_tflops:.0f}",
+            ha="right", va="bottom", fontsize=10)
+    lines = [Line2D([], [], color="black", lw=1.8, label="datasheet roofs")]
+    if copy_gbs:
+        ax.plot(xs, roof(copy_gbs, peaks.tensor_tflops), color="0.45", lw=1.2, ls=":")
+        lines.append(Line2D([], [], color="0.45", ls=":",
+                            label=f"measured copy {copy_gbs / 1e3:.2f} TB/s"))
+    if matmul_tflops:
+        ax.axhline(matmul_tflops, color="0.45", lw=1.2, ls="-.")
+        lines.append(Line2D([], [], color="0.45", ls="-.",
+                            label=f"measured bf16 matmul {matmul_tflops:.0f} TFLOP/s"))
+    for r in rows:
+        colour = colours[group(r)]
+        ax.plot(r["cost"].intensity, r["tflops"], DIRECTION_MARKERS.get(r["direction"], "o"),
+                ms=8, mec=colour, mew=1.6, mfc=colour if r["ours"] else "none", ls="none")
+    ax.set(xscale="log", yscale="log", xlim=(x_lo, x_hi), ylim=(y_lo, y_hi))
+    ax.set_xlabel("arithmetic intensity (flop per byte of the fewest bytes)")
+    ax.set_ylabel("achieved TFLOP/s")
+    if title:
+        ax.set_title(title)
+    handles = [Line2D([], [], marker="o", ls="none", ms=8, mec=c, mew=1.6,
+                      mfc=c if filled[g] else "none", label=g) for g, c in colours.items()]
+    handles += [Line2D([], [], marker=m, ls="none", ms=8, mec="black", mfc="none", label=d)
+                for d, m in DIRECTION_MARKERS.items() if any(r["direction"] == d for r in rows)]
+    fig.legend(handles=handles + lines, loc="lower center", ncols=3, frameon=False,
+               fontsize=10)
+    rows_of_legend = -(-len(handles + lines) // 3)
+    fig.tight_layout(rect=(0, (0.15 + 0.24 * rows_of_legend) / figsize[1], 1, 1))
+    # The bandwidth's label along its roof, a third of the way to the ridge (the angle is
+    # taken once the axes have their final size).
+    x_text = x_lo * (min(ridge, x_hi) / x_lo) ** 0.3
+    y_text = x_text * peaks.bandwidth_gbs / 1e3
+    a, b = ax.transData.transform([(x_text, y_text), (x_text * 10, y_text * 10)])
+    ax.text(x_text, y_text * 1.5, f"{peaks.bandwidth_gbs / 1e3:.2f} TB/s", fontsize=10,
+            rotation=math.degrees(math.atan2(b[1] - a[1], b[0] - a[0])),
+            rotation_mode="anchor", ha="left", va="bottom")
+    return fig

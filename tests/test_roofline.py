@@ -1,0 +1,146 @@
+"""ejk_lite.notebook's rooflines: the floor's arithmetic, each op's count of bytes and flops
+(worked by hand on tiny sizes, and against the byte counts the benchmarks recorded), the rows a
+chapter reads, and the label of a recorded figure. The figure is drawn once (not judged)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from ejk_lite.notebook import (
+    H100_SXM,
+    Floor,
+    attention_cost,
+    chunked_cost,
+    cumsum_cost,
+    floor_ms,
+    mean_pooling_cost,
+    recorded_label,
+    recurrent_cost,
+    roofline_rows,
+    roofline_table,
+    row_cost,
+)
+
+RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results"
+
+
+def results(stem):
+    return json.loads((RESULTS / f"{stem}.json").read_text())
+
+
+def test_floor_is_the_larger_of_moving_and_computing():
+    # 2 GB at 1000 GB/s: 2 ms; 3 TFLOP at 1000 TFLOP/s: 3 ms.
+    f = floor_ms(2e9, 3e12, bandwidth_gbs=1000, tflops=1000)
+    assert f == Floor(memory_ms=pytest.approx(2.0), compute_ms=pytest.approx(3.0))
+    assert f.ms == pytest.approx(3.0) and f.bound == "compute"
+    g = floor_ms(4e9, 3e12, bandwidth_gbs=1000, tflops=1000)
+    assert g.ms == pytest.approx(4.0) and g.bound == "memory"
+
+
+@pytest.mark.parametrize("args", [(1, 1, 0, 1), (1, 1, 1, -1), (-1, 1, 1, 1), (1, -1, 1, 1)])
+def test_floor_refuses_impossible_figures(args):
+    with pytest.raises(ValueError):
+        floor_ms(*args)
+
+
+def test_h100_ridge_and_units():
+    # The datasheet's ridge: ~295 flops per byte for tensor cores, ~20 for float32.
+    assert H100_SXM.tensor_tflops * 1e3 / H100_SXM.bandwidth_gbs == pytest.approx(295.2, abs=0.1)
+    assert H100_SXM.tflops("fp32") == 67.0 and H100_SXM.tflops("tensor") == 989.0
+    with pytest.raises(ValueError, match="unit"):
+        H100_SXM.tflops("fp64")
+
+
+def test_counts_worked_by_hand():
+    # cumsum of a [2, 3] float32 array: read 6 x 4 B, write 6 x 4 B, 6 additions.
+    c = cumsum_cost([2, 3], 4)
+    assert (c.bytes, c.flops, c.unit) == (48, 6, "fp32") and c.intensity == 0.125
+    # 5 tokens of 4 features into 2 means, bf16: (5 + 2) x 4 x 2 B; 20 adds forward, 8 divides
+    # backward.
+    assert mean_pooling_cost(5, 4, 2, "fwd")[:2] == (56, 20)
+    assert mean_pooling_cost(5, 4, 2, "bwd")[:2] == (56, 8)
+    # recurrence, one token of one head, K=2, V=3 (6 state elements), bf16:
+    # fwd reads q, k (2 each), v (3), writes o (3): 10 values; 4 flops per state element.
+    assert recurrent_cost(1, 1, 1, 2, 3, False, "fwd")[:2] == (20, 24)
+    # with a per-key gate: + gk (2 values), + 1 flop per element (the decay).
+    assert recurrent_cost(1, 1, 1, 2, 3, True, "fwd")[:2] == (24, 30)
+    # fwd+bwd as one op: q, k, v, do in (2 + 2 + 3 + 3), o, dq, dk, dv out (3 + 2 + 2 + 3);
+    # flops 4 (forward) + 4 (the sweep rebuilding h and forming dq) + 6 (the reverse sweep).
+    assert recurrent_cost(1, 1, 1, 2, 3, False, "fwd+bwd")[:2] == (40, 14 * 6)
+    # chunked, C=4, K=2, V=3, one token: q k^T 2*4*2, A v 2*4*3, q H and k^T v 2*2*3 each.
+    fwd = 16 + 24 + 12 + 12
+    c = chunked_cost(1, 1, 1, 2, 3, "g", "fwd", chunk=4)
+    assert (c.bytes, c.flops, c.unit) == (2 * 10 + 2, fwd, "tensor")
+    c = chunked_cost(1, 1, 1, 2, 3, "gk", "fwd+bwd", chunk=4)
+    assert c[:2] == (2 * 20 + 2 * 2 * 2, 3 * fwd + 12)
+    # attention, 10 visible pairs, D=8: 4 x 8 flops each; q, k, v, o of 3 tokens, one head.
+    c = attention_cost(1, 1, 1, 3, 8, 10, "fwd")
+    assert (c.bytes, c.flops) == (4 * 3 * 8 * 2, 320)
+    assert attention_cost(1, 1, 1, 3, 8, 10, "fwd+bwd")[:2] == (8 * 3 * 8 * 2, 1120)
+
+
+@pytest.mark.parametrize("op, directions", [
+    ("cumsum", ("fwd", "bwd")), ("mean_pooling", ("fwd", "bwd")),
+    ("recurrent", ("fwd", "fwd+bwd")), ("chunked", ("fwd",)),
+])
+def test_counts_match_the_bytes_the_benchmarks_recorded(op, directions):
+    data = results(op)
+    checked = 0
+    for row in data["rows"]:
+        if row["direction"] in directions:
+            assert row_cost(op, row).bytes == row["bytes"], row["name"]
+            checked += 1
+    assert checked >= 4
+
+
+def test_rows_carry_both_floors_and_shares():
+    data = results("attention")
+    rows = roofline_rows("attention", data, impls=("triton",))
+    assert rows and all(r["impl"] == "triton" and r["ours"] for r in rows)
+    for r in rows:
+        assert r["share"] == pytest.approx(r["floor"].ms / r["ms"])
+        # compute-bound: the measured floor uses the recorded bf16 matmul rate
+        expected = r["cost"].flops / (data["matmul_bf16_tflops"] * 1e12) * 1e3
+        assert r["measured_floor"].ms == pytest.approx(expected)
+        assert r["tflops"] == pytest.approx(r["cost"].flops / (r["ms"] * 1e-3) / 1e12)
+    cumsum = roofline_rows("cumsum", results("cumsum"))
+    big = [r for r in cumsum if "vector" in r["name"]]
+    copy = results("cumsum")["copy_bandwidth_gbs"]
+    assert all(r["measured_floor"].ms == pytest.approx(r["cost"].bytes / copy / 1e6)
+               for r in big)
+    # recurrent.json kept no copy bandwidth: no measured floor, never a made-up one
+    assert all(r["measured_floor"] is None for r in roofline_rows("recurrent",
+                                                                 results("recurrent")))
+    table = roofline_table(rows)
+    assert table.count("<tr>") == len(rows) + 1 and "compute" in table
+
+
+def test_recorded_label_names_file_commit_and_date():
+    assert recorded_label(results("chunked"), "chunked") == (
+        "recorded on an NVIDIA H100 80GB HBM3 (bench/results/chunked.json, commit c1296bf, "
+        "2026-11-24)")
+    assert "commit not recorded" in recorded_label(results("cumsum"), "cumsum")
+    assert "transcribed" in recorded_label(results("recurrent"), "recurrent")
+
+
+def test_figure_draws_every_row():
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ejk_lite.notebook import roofline_figure
+
+    rows = roofline_rows("chunked", results("chunked"))
+    fig = roofline_figure(rows, copy_gbs=2000.0, matmul_tflops=600.0, title="t")
+    ax = fig.axes[0]
+    assert ax.get_xscale() == ax.get_yscale() == "log"
+    points = [line for line in ax.lines if line.get_linestyle() == "None"]
+    assert len(points) == len(rows)
+    low, high = ax.get_xlim()
+    assert all(low <= r["cost"].intensity <= high for r in rows)
+    assert not math.isnan(high)
+    plt.close(fig)
