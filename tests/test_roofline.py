@@ -120,9 +120,10 @@ def test_rows_carry_both_floors_and_shares():
 
 
 def test_recorded_label_names_file_commit_and_date():
-    assert recorded_label(results("chunked"), "chunked") == (
-        "recorded on an NVIDIA H100 80GB HBM3 (bench/results/chunked.json, commit c1296bf, "
-        "2026-11-24)")
+    data = results("chunked")
+    assert recorded_label(data, "chunked") == (
+        f"recorded on an {data['device']} "
+        f"(bench/results/chunked.json, commit {data['commit'][:7]}, {data['date'][:10]})")
     assert "commit not recorded" in recorded_label(results("cumsum"), "cumsum")
     assert "transcribed" in recorded_label(results("recurrent"), "recurrent")
 
