@@ -16,6 +16,15 @@ and stops the compile on a GPU. This script closes that gap without a GPU:
 
 Kernels that a chapter launches from the ``ejk_lite`` package are skipped (the unit tests run
 those on the GPU). Exit status 1 if any launch fails to compile.
+
+``--package SCRIPT`` does the same for the package's own kernels: SCRIPT (default
+``tools/compile_calls.py``, the public ops over their features) runs in a subprocess, in the
+interpreter, with the recorder; this process then imports ``ejk_lite`` in compiled mode (JAX is
+told it has a GPU, so ``ejk_lite`` leaves ``TRITON_INTERPRET`` alone) and compiles every
+recorded launch. It found, without a GPU, both compile failures of ``chunked_recurrent``'s
+first GPU check (a ``tl.cumsum`` the scan lowering rejects; a shape built from a tuple)::
+
+    python tools/compile_check.py --package [tools/compile_calls.py] [--arch 90]
 """
 
 from __future__ import annotations
@@ -24,9 +33,12 @@ import argparse
 import ast
 import json
 import os
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
 
 RECORDER = r'''
 import json as _json, os as _os
@@ -174,16 +186,69 @@ def check(notebook: Path, archs: list[int], timeout: int) -> int:
     return failures
 
 
+def record_script(script: Path) -> list[dict]:
+    """Run ``script`` in a subprocess, in the interpreter, with the recorder: its launches."""
+    with tempfile.TemporaryDirectory() as tmp:
+        record, runner = Path(tmp) / "launches.json", Path(tmp) / "run.py"
+        runner.write_text("import ejk_lite\n" + RECORDER + "\n" + script.read_text() + "\n" + DUMP)
+        env = {**os.environ, "EJK_COMPILE_RECORD": str(record), "TRITON_INTERPRET": "1",
+               "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        subprocess.run([sys.executable, str(runner)], env=env, cwd=ROOT, check=True)
+        return json.loads(record.read_text())
+
+
+def check_package(script: Path, archs: list[int]) -> int:
+    launches = record_script(script)
+    import importlib
+
+    import jax
+
+    # ejk_lite settles the interpreter at import by asking JAX for a GPU: say there is one, so
+    # that its kernels are defined in compiled mode here (nothing is launched).
+    jax.devices = lambda *args, **kwargs: [type("PretendGpu", (), {"platform": "gpu"})()]
+    sys.path.insert(0, str(ROOT))
+    import ejk_lite  # noqa: F401
+
+    seen, failures, compiled = set(), 0, 0
+    for launch in launches:
+        key = json.dumps([launch["module"], launch["name"], launch["args"], launch["outs"],
+                          launch["meta"]], sort_keys=True)
+        if key in seen or not launch["module"].startswith("ejk_lite"):
+            continue
+        seen.add(key)
+        fn = getattr(importlib.import_module(launch["module"]), launch["name"])
+        for arch in archs:
+            try:
+                compile_launch(fn, launch, arch)
+                compiled += 1
+            except Exception as error:  # noqa: BLE001 (report every failure, then go on)
+                failures += 1
+                lines = [ln for ln in str(error).splitlines() if ln.strip()] or [repr(error)]
+                print(f"FAIL sm_{arch} {launch['module']}.{launch['name']} "
+                      f"{json.dumps(launch['meta'], sort_keys=True)[:200]}:\n  "
+                      + "\n  ".join(lines[-8:])[-1500:])
+    print(f"{script}: {len(seen)} distinct package launches, {compiled} compiles ok, "
+          f"{failures} failed")
+    return failures
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("notebooks", nargs="+", type=Path)
+    parser.add_argument("notebooks", nargs="*", type=Path)
+    parser.add_argument("--package", nargs="?", type=Path, const=ROOT / "tools" / "compile_calls.py",
+                        help="compile the package kernels SCRIPT launches (default: "
+                             "tools/compile_calls.py)")
     parser.add_argument("--arch", nargs="+", type=int, default=[80, 90],
                         help="compute capabilities to compile for (default: 80 90)")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per cell")
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("unset TRITON_INTERPRET: this process must compile (the notebook runs elsewhere)")
+    if not args.notebooks and args.package is None:
+        parser.error("give notebooks, --package, or both")
     failures = sum(check(nb.resolve(), args.arch, args.timeout) for nb in args.notebooks)
+    if args.package is not None:
+        failures += check_package(args.package.resolve(), args.arch)
     return 1 if failures else 0
 
 
