@@ -121,9 +121,10 @@ def test_rows_carry_both_floors_and_shares():
 
 def test_recorded_label_names_file_commit_and_date():
     data = results("chunked")
-    assert recorded_label(data, "chunked") == (
-        f"recorded on an {data['device']} "
-        f"(bench/results/chunked.json, commit {data['commit'][:7]}, {data['date'][:10]})")
+    label = recorded_label(data, "chunked")
+    assert label.startswith("recorded on ") and data["device"] in label
+    for piece in ("bench/results/chunked.json", f"commit {data['commit'][:7]}", data["date"][:10]):
+        assert piece in label
     assert "commit not recorded" in recorded_label(results("cumsum"), "cumsum")
     assert "transcribed" in recorded_label(results("recurrent"), "recurrent")
 
