@@ -1179,6 +1179,13 @@ _chunked.defvjp(_chunked_fwd, _chunked_bwd, symbolic_zeros=True)
 # ----------------------------------------------------------------------------------------------
 
 
+# A log-decay at or below this is a decay of exactly 0 in float32 (exp underflows below about
+# -104), and so is every span that contains it: clamping to it changes no result. It keeps -inf
+# (a gate that forgets everything) out of the kernels, whose products with a triangle of ones
+# (_prefix_sum) would turn 0 * -inf into NaN; the gradient of a clamped gate is 0, as exp's is.
+_LOG_DECAY_FLOOR = -1e4
+
+
 def _log_decays(g, g_gamma, gk, shape):
     """a: the log-decay along K, ``a = g + g_gamma + gk`` in float32: ``[B, T, H]`` for scalar
     gates, ``[B, T, H, K]`` with ``gk``; None without gates. Plain JAX: JAX differentiates it, so
@@ -1194,7 +1201,7 @@ def _log_decays(g, g_gamma, gk, shape):
         a = a + g_gamma.astype(f32)
     if gk is not None:
         a = gk.astype(f32) + a[..., None]
-    return a
+    return jnp.maximum(a, _LOG_DECAY_FLOOR)
 
 
 @functools.partial(jax.jit, static_argnums=(0,))

@@ -141,6 +141,34 @@ def test_strong_decay(rng, gates, reverse):
     check(rng, inputs, chunk_size=32, reverse=reverse)
 
 
+@pytest.mark.parametrize("gate", ["g", "gk"])
+def test_gate_that_forgets_everything(rng, gate):
+    """A log-gate of -inf (exp = 0: the state is reset there): the float64 reference's output and
+    final state, and finite gradients of q, k and v equal to its (inside the kernels a product
+    with -inf would give NaN)."""
+    inputs = make_inputs(rng, batch=1, seq_len=40, gates=(gate,), with_state=False)
+    inputs[gate][0, [3, 20, 21]] = -np.inf
+    names = ("query", "key", "value")
+
+    def run(fn, arrays, gates, **options):
+        def loss(q, k, v):
+            o, state = fn(q, k, v, **gates, **options)
+            return (o * 0.5).sum() + state.sum(), (o, state)
+        return jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(*arrays)
+
+    arrays = [jnp.asarray(inputs[n], jnp.float32) for n in names]
+    grads, outs = run(chunked_recurrent, arrays, {gate: jnp.asarray(inputs[gate], jnp.float32)},
+                      chunk_size=16)
+    with jax.enable_x64(True):
+        arrays64 = [jnp.asarray(np.asarray(a, np.float64)) for a in arrays]
+        gates64 = {gate: jnp.asarray(np.asarray(jnp.asarray(inputs[gate], jnp.float32), np.float64))}
+        ref_grads, ref_outs = jax.tree.map(np.asarray, run(reference, arrays64, gates64))
+    tolerance = TOLERANCE["float32"]
+    for what, got, want in zip(("output", "final state") + names, outs + grads, ref_outs + ref_grads):
+        assert np.all(np.isfinite(np.asarray(got))), what
+        assert rel_err(got, want) < tolerance, what
+
+
 @pytest.mark.parametrize("chunk_size, seq_len", [(16, 50), (32, 70), (64, 100), (64, 21)])
 def test_chunk_sizes(rng, chunk_size, seq_len):
     """Lengths that are not multiples of the chunk (and one shorter than a chunk)."""
