@@ -515,6 +515,14 @@ def assert_close(got, want, tol, what=""):
         assert err <= tol, f"{what}[{i}]: relative error {err:.3g} > {tol:.3g}"
 
 
+def same_program_rtol(impl) -> float:
+    """How far two calls that must compute the same thing may differ. The kernels: not at all.
+    XLA's paths: 1e-6, because a call that differs only in how an argument is typed compiles
+    to another program, which may order float32 sums otherwise (H100: block mean pooling, uint8
+    cu_seqlens or int64 sizes, 2-3 of 18 elements 1 ulp apart)."""
+    return 1e-6 if impl == "xla" else 0.0
+
+
 def assert_equal(got, want, what="", rtol=0.0):
     for i, (g, w) in enumerate(zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)):
         assert g.dtype == w.dtype, f"{what}[{i}]: {g.dtype} != {w.dtype}"
@@ -707,10 +715,8 @@ def as_numpy(value, int_type, float_type):
 @pytest.mark.parametrize("op, impl", cases(lambda op: bool(static_numbers(op))))
 def test_numpy_scalars(op, impl, int_type, float_type, rng):
     """Chunk and block sizes, scales, soft caps, windows, BlockSizes fields and total_blocks as
-    NumPy scalars: exactly the result of the Python numbers on the kernels; within 1e-6 on XLA's
-    paths, which may order float32 sums otherwise in another program (H100: block mean pooling,
-    int64 sizes, 3 of 18 elements 1 ulp apart)."""
-    rtol = 1e-6 if impl == "xla" else 0.0
+    NumPy scalars: the result of the Python numbers (exactly, but for XLA's sum order)."""
+    rtol = same_program_rtol(impl)
     for layout in layouts(op):
         inputs = make(op, rng, jnp.float32, layout)
         numbers = static_numbers(op)
@@ -738,9 +744,7 @@ def test_narrow_and_unsigned_index_arrays(op, impl, dtype, rng):
     fn = lambda i: call(op, i, impl)  # noqa: E731
     weights = weights_for(rng, expected_types(op, inputs))
     grad = lambda i: gradient(fn, i, op.differentiable, weights)  # noqa: E731
-    # The kernels see the same int32 offsets: equal. XLA's paths may order float32 sums otherwise
-    # (H100: block mean pooling with uint8 cu_seqlens, 2 of 18 elements 1 ulp apart).
-    rtol = 1e-6 if impl == "xla" else 0.0
+    rtol = same_program_rtol(impl)
     for how, run in (("eager", fn), ("jit", jitted(fn, inputs)), ("jit grad", jitted(grad, inputs))):
         assert_equal(run(other), run(inputs), how, rtol=rtol)
 
