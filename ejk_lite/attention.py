@@ -351,7 +351,7 @@ def _attention_fwd_kernel(
     HAS_WINDOW: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr, CLAUSE2: tl.constexpr,
     HAS_SEGMENTS2: tl.constexpr, IS_CAUSAL2: tl.constexpr, HAS_WINDOW2: tl.constexpr,
     HAS_BIAS: tl.constexpr, USE_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, EVEN_S: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, EVEN_S: tl.constexpr, OPTIMISTIC: tl.constexpr,
 ):
     # Query blocks in reverse order: under a causal mask the last blocks have the most work; they
     # start first, so the short ones fill the gaps at the end.
@@ -393,14 +393,16 @@ def _attention_fwd_kernel(
         v_base, ids_base, stride_kind, mask_base, bias_base, stride_bt, stride_bs, window_left,
         window_right, window2_left, window2_right, T, S, SCALE, SOFT_CAP, D, DV, BD, BDV, BK, True,
         HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2,
-        HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP, DOT_PRECISION, EVEN_S, False)
-    if _any_not_finite(acc):  # rare: contain it (see _any_not_finite)
-        acc, m_i, l_i = _fwd_tiles(
-            acc0, m0, l0, q, offs_m, q_seg, q_pos, partial_list, n_partial, n_kv_blocks, k_base,
-            v_base, ids_base, stride_kind, mask_base, bias_base, stride_bt, stride_bs, window_left,
-            window_right, window2_left, window2_right, T, S, SCALE, SOFT_CAP, D, DV, BD, BDV, BK,
-            True, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2, HAS_SEGMENTS2,
-            IS_CAUSAL2, HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP, DOT_PRECISION, EVEN_S, True)
+        HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP, DOT_PRECISION, EVEN_S, not OPTIMISTIC)
+    if OPTIMISTIC:  # a constexpr: float32 ran its tiles with SAFE already
+        if _any_not_finite(acc):  # rare: contain it (see _any_not_finite)
+            acc, m_i, l_i = _fwd_tiles(
+                 acc0, m0, l0, q, offs_m, q_seg, q_pos, partial_list, n_partial, n_kv_blocks,
+                k_base, v_base, ids_base, stride_kind, mask_base, bias_base, stride_bt, stride_bs,
+                window_left, window_right, window2_left, window2_right, T, S, SCALE, SOFT_CAP, D,
+                DV, BD, BDV, BK, True, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2,
+                HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP, DOT_PRECISION,
+                EVEN_S, True)
     acc, m_i, l_i = _fwd_tiles(
         acc, m_i, l_i, q, offs_m, q_seg, q_pos, full_index_ptr + row.to(tl.int64) * n_kv_blocks,
         n_full, n_kv_blocks, k_base, v_base, ids_base, stride_kind, mask_base, bias_base,
@@ -564,7 +566,7 @@ def _attention_dkv_kernel(
     HAS_WINDOW: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr, CLAUSE2: tl.constexpr,
     HAS_SEGMENTS2: tl.constexpr, IS_CAUSAL2: tl.constexpr, HAS_WINDOW2: tl.constexpr,
     HAS_BIAS: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    EVEN_S: tl.constexpr,
+    EVEN_S: tl.constexpr, OPTIMISTIC: tl.constexpr,
 ):
     i_n = tl.program_id(0)
     i_bkv = tl.program_id(1)  # (batch, key/value head)
@@ -590,17 +592,18 @@ def _attention_dkv_kernel(
         stride_kind, stride_mask_b, stride_mask_h, stride_bb, stride_bh, stride_bt, stride_bs,
         stride_bm_b, stride_bm_h, SCALE, SOFT_CAP, H, G, D, DV, BD, BDV, BQ, BK, HAS_SEGMENTS,
         IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2,
-        HAS_BIAS, USE_SOFTCAP, DOT_PRECISION, EVEN_S, False)
-    if _any_not_finite(dk):  # rare
-        dk, dv = _dkv_heads(
-            k, v, offs_n, i_b, i_kvh, i_n, q_ptr, do_ptr, lse_ptr, delta_ptr, ids_base,
-            token_mask_ptr, bias_ptr, t_partial_count_ptr, t_partial_index_ptr, t_full_count_ptr,
-            t_full_index_ptr, window_left, window_right, window2_left, window2_right, T, S,
-            n_q_blocks, n_kv_blocks, stride_kind, stride_mask_b, stride_mask_h, stride_bb,
-            stride_bh, stride_bt, stride_bs, stride_bm_b, stride_bm_h, SCALE, SOFT_CAP, H, G, D,
-            DV, BD, BDV, BQ, BK, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2,
-            HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP, DOT_PRECISION, EVEN_S,
-            True)
+        HAS_BIAS, USE_SOFTCAP, DOT_PRECISION, EVEN_S, not OPTIMISTIC)
+    if OPTIMISTIC:  # a constexpr: float32 ran its tiles with SAFE already
+        if _any_not_finite(dk):  # rare
+            dk, dv = _dkv_heads(
+                k, v, offs_n, i_b, i_kvh, i_n, q_ptr, do_ptr, lse_ptr, delta_ptr, ids_base,
+                token_mask_ptr, bias_ptr, t_partial_count_ptr, t_partial_index_ptr,
+                t_full_count_ptr, t_full_index_ptr, window_left, window_right, window2_left,
+                window2_right, T, S, n_q_blocks, n_kv_blocks, stride_kind, stride_mask_b,
+                stride_mask_h, stride_bb, stride_bh, stride_bt, stride_bs, stride_bm_b, stride_bm_h,
+                SCALE, SOFT_CAP, H, G, D, DV, BD, BDV, BQ, BK, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW,
+                HAS_TOKEN_MASK, CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2, HAS_BIAS,
+                USE_SOFTCAP, DOT_PRECISION, EVEN_S, True)
     kv_rows = in_kv[:, None]
     tl.store(dk_ptr + i_bkv64 * S * D + offs_n[:, None] * D + offs_d[None, :],
              (dk * SCALE).to(dk_ptr.dtype.element_ty), mask=kv_rows & (offs_d < D)[None, :])
@@ -660,7 +663,7 @@ def _attention_dq_kernel(
     HAS_WINDOW: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr, CLAUSE2: tl.constexpr,
     HAS_SEGMENTS2: tl.constexpr, IS_CAUSAL2: tl.constexpr, HAS_WINDOW2: tl.constexpr,
     HAS_BIAS: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    EVEN_S: tl.constexpr,
+    EVEN_S: tl.constexpr, OPTIMISTIC: tl.constexpr,
 ):
     i_m = n_q_blocks - 1 - tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -683,21 +686,22 @@ def _attention_dq_kernel(
     n_partial = _clamp(tl.load(partial_count_ptr + row), n_kv_blocks)
     n_full = _clamp(tl.load(full_count_ptr + row), n_kv_blocks)
     dq0 = dq
-    dq = _dq_tiles(dq0, q, do, lse, delta, offs_m, q_seg, q_pos,
-                   partial_index_ptr + row.to(tl.int64) * n_kv_blocks, n_partial, n_kv_blocks,
-                   k_base, v_base, ids_base, stride_kind, mask_base, bias_base, dbias_base,
-                   stride_bt, stride_bs, window_left, window_right, window2_left, window2_right, T,
-                   S, SCALE, SOFT_CAP, D, DV, BD, BDV, BK, True, HAS_SEGMENTS, IS_CAUSAL,
-                   HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2,
-                   HAS_BIAS, USE_SOFTCAP, DOT_PRECISION, EVEN_S, False)
-    if _any_not_finite(dq):  # rare: contain it (see _any_not_finite)
-        dq = _dq_tiles(dq0, q, do, lse, delta, offs_m, q_seg, q_pos,
-                       partial_index_ptr + row.to(tl.int64) * n_kv_blocks, n_partial, n_kv_blocks,
-                       k_base, v_base, ids_base, stride_kind, mask_base, bias_base, dbias_base,
-                       stride_bt, stride_bs, window_left, window_right, window2_left,
-                       window2_right, T, S, SCALE, SOFT_CAP, D, DV, BD, BDV, BK, True, HAS_SEGMENTS, IS_CAUSAL,
-                       HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2,
-                       HAS_BIAS, USE_SOFTCAP, DOT_PRECISION, EVEN_S, True)
+    partial_list = partial_index_ptr + row.to(tl.int64) * n_kv_blocks
+    dq = _dq_tiles(dq0, q, do, lse, delta, offs_m, q_seg, q_pos, partial_list, n_partial,
+                   n_kv_blocks, k_base, v_base, ids_base, stride_kind, mask_base, bias_base,
+                   dbias_base, stride_bt, stride_bs, window_left, window_right, window2_left,
+                   window2_right, T, S, SCALE, SOFT_CAP, D, DV, BD, BDV, BK, True, HAS_SEGMENTS,
+                   IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2,
+                   HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP, DOT_PRECISION, EVEN_S, not OPTIMISTIC)
+    if OPTIMISTIC:  # a constexpr: float32 ran its tiles with SAFE already
+        if _any_not_finite(dq):  # rare: contain it (see _any_not_finite)
+            dq = _dq_tiles(
+                dq0, q, do, lse, delta, offs_m, q_seg, q_pos, partial_list, n_partial,
+                n_kv_blocks, k_base, v_base, ids_base, stride_kind, mask_base, bias_base,
+                dbias_base, stride_bt, stride_bs, window_left, window_right, window2_left,
+                window2_right, T, S, SCALE, SOFT_CAP, D, DV, BD, BDV, BK, True, HAS_SEGMENTS,
+                IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2,
+                HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP, DOT_PRECISION, EVEN_S, True)
     dq = _dq_tiles(dq, q, do, lse, delta, offs_m, q_seg, q_pos,
                    full_index_ptr + row.to(tl.int64) * n_kv_blocks, n_full, n_kv_blocks,
                    k_base, v_base, ids_base, stride_kind, mask_base, bias_base, dbias_base,
@@ -767,6 +771,13 @@ def _window(window: tuple[int, int] | None) -> list[int]:
     return [min(left, _BIG_WINDOW), min(right, _BIG_WINDOW)]
 
 
+def _optimistic(dtype) -> bool:
+    """Whether the kernels run their partial tiles first without NaN containment (see
+    ``_any_not_finite``). Not in float32: its three-pass TF32 dots make the selects cheap beside
+    them, and the second copy of the loop cost compile time (see ``BlockSizes``)."""
+    return jnp.dtype(dtype) != jnp.float32
+
+
 def _common(static: _Static, q, k, v, bias, rule, mask: BlockMask, blocks: BlockSizes):
     """Operands and meta-parameters shared by all three kernels."""
     B, H, T, D = q.shape
@@ -786,7 +797,7 @@ def _common(static: _Static, q, k, v, bias, rule, mask: BlockMask, blocks: Block
         HAS_SEGMENTS2=segments2, IS_CAUSAL2=causal2, HAS_WINDOW2=window2 is not None,
         HAS_BIAS=bias is not None, USE_SOFTCAP=static.soft_cap is not None,
         DOT_PRECISION=blocks.float32_dot if q.dtype == jnp.float32 else "tf32",  # 16-bit: unused
-        EVEN_S=S % blocks.block_kv == 0,
+        EVEN_S=S % blocks.block_kv == 0, OPTIMISTIC=_optimistic(q.dtype),
         num_warps=blocks.num_warps, num_stages=blocks.num_stages,
     )
     return [*rule_args, bias_arg], scalars, meta
