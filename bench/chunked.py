@@ -1,12 +1,16 @@
 """Benchmark ejk_lite.chunked_recurrent against flash-linear-attention's chunk kernels, bf16.
 
-Two gates at B4 T4096 H16 K=V=128, forward and forward + backward (``jax.vjp`` of the output with
-a random cotangent; the final state is not used):
+Two gates at each of the issue's shapes (``SHAPES``), forward and forward + backward (``jax.vjp``
+of the output with a random cotangent; the final state is not used):
 
-* a scalar gate ``g`` ``[B, T, H]``: peer ``fla.ops.simple_gla.chunk_simple_gla``;
-* a per-key gate ``gk`` ``[B, T, H, K]``: peer ``fla.ops.gla.chunk_gla`` (which calls it ``g``).
+* a scalar gate ``g`` ``[B, T, H]``: peers ``fla.ops.simple_gla.chunk_simple_gla`` and
+  ``fused_recurrent_simple_gla``;
+* a per-key gate ``gk`` ``[B, T, H, K]``: peers ``fla.ops.gla.chunk_gla`` (which calls it ``g``)
+  and ``fused_recurrent_gla``.
 
-Our token-by-token :func:`ejk_lite.recurrent` runs on the same inputs for reference. The peers run
+Our chunked op races fla's chunk kernel; our token-by-token :func:`ejk_lite.recurrent` races fla's
+fused recurrent one. The grouped-heads shape (``kv_heads``) runs ours only: fla has no grouped
+key/value heads. The peers run
 in PyTorch on the same arrays (``torch.from_dlpack``). Both sides compute the same function: fla
 (>= 0.2, ``[B, T, H, K]`` layouts) takes natural-log gates (it multiplies them by 1/ln 2 itself
 before its ``exp2``), ``h_t = exp(g_t) h_{t-1} + k_t^T v_t``, ``o_t = scale q_t h_t``, with
@@ -18,8 +22,12 @@ fails): output and every input's gradient against fla's on the full inputs, and 
 relative L2 error within ``TOL``. The commit comes from ``$EJK_COMMIT`` or
 ``bench/results/.commit`` (``python bench/gpu_check.py prepare``), else ``git rev-parse HEAD``.
 
-    python bench/chunked.py --out bench/results                  # GPU
+    python bench/chunked.py --out bench/results                  # GPU, every shape
+    python bench/chunked.py --shapes 2,3 --merge --out bench/results   # some shapes, kept beside
+                                                                 # the file's others (same commit)
     python bench/chunked.py --quick --out /tmp/bench_chunked     # tiny shapes, CPU interpreter
+
+The file is written after every shape, so a run cut short keeps what it finished.
 """
 
 from __future__ import annotations
@@ -59,8 +67,12 @@ from ejk_lite.linear_attention import recurrent, reference  # noqa: E402
 
 OP = "chunked"
 ROOT = Path(__file__).resolve().parent.parent
-SHAPES = [dict(batch=4, seq_len=4096, heads=16, dim=128)]
-QUICK_SHAPES = [dict(batch=1, seq_len=40, heads=2, dim=16)]  # 40: a short last chunk (C = 16)
+SHAPES = [dict(batch=4, seq_len=4096, heads=16, dim=128),
+          dict(batch=8, seq_len=2048, heads=16, dim=128),
+          dict(batch=1, seq_len=32768, heads=8, dim=64),
+          dict(batch=4, seq_len=4096, heads=16, kv_heads=4, dim=128)]  # grouped: ours only
+QUICK_SHAPES = [dict(batch=1, seq_len=40, heads=2, dim=16),  # 40: a short last chunk (C = 16)
+                dict(batch=1, seq_len=40, heads=2, kv_heads=1, dim=16)]
 CHECK_SEQ_LEN = 256  # prefix checked against the float32 reference (quick: the whole sequence)
 SAMPLES = 10
 QUICK_SAMPLES = 3
@@ -69,7 +81,11 @@ TOL = {"out": 2e-2, "grad": 4e-2}  # relative L2 of bf16 results, as bench/atten
 OURS = {"chunked": functools.partial(chunked_recurrent, impl="triton"),
         "recurrent": functools.partial(recurrent, impl="triton")}
 QUICK_CHUNK_SIZE = 16  # several chunks in a short sequence
-PEER = {"g": "fla.ops.simple_gla.chunk_simple_gla", "gk": "fla.ops.gla.chunk_gla"}
+# fla's kernel racing each of ours, per gate.
+PEER = {("chunked", "g"): "fla.ops.simple_gla.chunk_simple_gla",
+        ("chunked", "gk"): "fla.ops.gla.chunk_gla",
+        ("recurrent", "g"): "fla.ops.simple_gla.fused_recurrent_simple_gla",
+        ("recurrent", "gk"): "fla.ops.gla.fused_recurrent_gla"}
 PEER_BROADCAST = "fla.ops.gla.chunk_gla, the scalar gate broadcast along K"
 
 START = time.perf_counter()
@@ -79,13 +95,14 @@ def log(message: str) -> None:
     print(f"[{time.perf_counter() - START:7.1f}s] {message}", flush=True)
 
 
-def make_inputs(seed, batch, seq_len, heads, dim, gate):
-    """bf16 q, k, v and one gate, fresh normals; the cotangent of the output."""
+def make_inputs(seed, batch, seq_len, heads, dim, gate, kv_heads=None):
+    """bf16 q, k, v and one gate (per query head), fresh normals; the cotangent of the output."""
     kq, kk, kv, kg, kd = jax.random.split(jax.random.key(seed), 5)
     shape = (batch, seq_len, heads, dim)
+    kv_shape = (batch, seq_len, kv_heads or heads, dim)
     inputs = dict(query=jax.random.normal(kq, shape, jnp.bfloat16),
-                  key=jax.random.normal(kk, shape, jnp.bfloat16),
-                  value=jax.random.normal(kv, shape, jnp.bfloat16))
+                  key=jax.random.normal(kk, kv_shape, jnp.bfloat16),
+                  value=jax.random.normal(kv, kv_shape, jnp.bfloat16))
     # Log-decays in (-inf, 0), most of them mild, as a trained GLA layer has (as bench/recurrent.py).
     gate_shape = shape[:3] if gate == "g" else shape
     logits = jax.random.normal(kg, gate_shape, jnp.float32) + 4.0
@@ -147,13 +164,15 @@ def load_fla():
     try:
         import fla
         import torch
-        from fla.ops.gla import chunk_gla
-        from fla.ops.simple_gla import chunk_simple_gla
+        from fla.ops.gla import chunk_gla, fused_recurrent_gla
+        from fla.ops.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla
     except Exception as error:  # noqa: BLE001 (not installed, or no CUDA torch)
         return None, f"{type(error).__name__}: {error}"
     if not torch.cuda.is_available():
         return None, "torch sees no CUDA device"
-    return dict(torch=torch, g=chunk_simple_gla, gk=chunk_gla,
+    kernels = {("chunked", "g"): chunk_simple_gla, ("chunked", "gk"): chunk_gla,
+               ("recurrent", "g"): fused_recurrent_simple_gla, ("recurrent", "gk"): fused_recurrent_gla}
+    return dict(torch=torch, kernels=kernels,
                 versions={"torch": torch.__version__, "fla": getattr(fla, "__version__", "?")}), None
 
 
@@ -161,12 +180,16 @@ def to_torch(torch, x):
     return torch.from_dlpack(jax.block_until_ready(x)).clone()
 
 
-def run_fla(fla, gate, inputs, d_o, scale, samples, broadcast=False):
-    """fla's output and gradients (float32 NumPy) on our inputs, and its fwd / fwd+bwd times.
-    ``broadcast``: a scalar gate run through ``chunk_gla`` as a per-key gate equal along K (the
-    same function; the gradient of g is the sum of gk's along K)."""
+def run_fla(fla, form, gate, inputs, d_o, scale, samples, broadcast=False):
+    """fla's output and gradients (float32 NumPy) on our inputs, and its fwd / fwd+bwd times;
+    ``form``: "chunked" or "recurrent", the kernel racing ours of that name. ``broadcast``: a
+    scalar gate run through ``chunk_gla`` as a per-key gate equal along K (the same function; the
+    gradient of g is the sum of gk's along K)."""
     torch = fla["torch"]
-    kernel = fla["gk" if broadcast else gate]
+    kernel = fla["kernels"][form, "gk" if broadcast else gate]
+    # chunk_simple_gla, chunk_gla and fused_recurrent_simple_gla take the gate as g=;
+    # fused_recurrent_gla as gk=.
+    keyword = "gk" if (form, gate) == ("recurrent", "gk") else "g"
     tensors = {name: to_torch(torch, x) for name, x in inputs.items()}
     d_o_t = to_torch(torch, d_o)
     width = tensors["query"].shape[-1]
@@ -174,7 +197,7 @@ def run_fla(fla, gate, inputs, d_o, scale, samples, broadcast=False):
     def call(t):
         # chunk_simple_gla(q, k, v, g=[B, T, H]); chunk_gla(q, k, v, g=[B, T, H, K]): natural-log gates.
         g = t[gate].unsqueeze(-1).expand(*t[gate].shape, width) if broadcast else t[gate]
-        return kernel(t["query"], t["key"], t["value"], g=g, scale=scale,
+        return kernel(t["query"], t["key"], t["value"], **{keyword: g}, scale=scale,
                       initial_state=None, output_final_state=False)[0]
 
     def back(t):
@@ -199,10 +222,127 @@ def run_fla(fla, gate, inputs, d_o, scale, samples, broadcast=False):
 # ----------------------------------------------------------------------------------------------
 
 
+def shape_name(shape: dict) -> str:
+    heads = f"{shape['heads']}/{shape['kv_heads']}" if shape.get("kv_heads") else shape["heads"]
+    return f"B{shape['batch']} T{shape['seq_len']} H{heads} K=V={shape['dim']}"
+
+
+def fla_peer(fla, form, gate, inputs, d_o, scale, samples, refused):
+    """fla's kernel racing ours of ``form`` on these inputs, or None where fla refuses it."""
+    name = PEER[form, gate]
+    try:
+        o, grads, ms = run_fla(fla, form, gate, inputs, d_o, scale, samples)
+        return dict(o=o, grads=grads, ms=ms, name=name)
+    except RuntimeError as error:
+        # fla 0.6 refuses chunk_simple_gla with Triton < 3.7.1 on Hopper (its issue 640: wrong
+        # gated gradients). Recorded; its chunk_gla computes the same function with the gate
+        # broadcast along K, and runs.
+        refused[name] = f"{type(error).__name__}: {str(error)[:300]}"
+        log(f"{name} refused: {refused[name]}")
+        if (form, gate) != ("chunked", "g"):
+            return None
+    o, grads, ms = run_fla(fla, form, gate, inputs, d_o, scale, samples, broadcast=True)
+    return dict(o=o, grads=grads, ms=ms, name=PEER_BROADCAST)
+
+
+def run_shape(shape, ops, fla, samples, quick, copy_gbs, rows, summary, failures, refused):
+    """Both gates at one shape: ours against the float32 reference and fla's peers; rows appended."""
+    b, t, h, d = shape["batch"], shape["seq_len"], shape["heads"], shape["dim"]
+    h_kv = shape.get("kv_heads") or h
+    scale = d ** -0.5
+    check_len = t if quick else min(t, CHECK_SEQ_LEN)
+    for gate in ("g", "gk"):
+        name = f"{shape_name(shape)} {gate}"
+        inputs, d_o = make_inputs(len(rows), b, t, h, d, gate, shape.get("kv_heads"))
+        dims = [b, t, h, d]
+        # Fewest bytes, bf16: q, k, v, the gate and o once (fwd); again with d_o and every
+        # input's gradient (fwd+bwd).
+        q_bytes, kv_bytes = b * t * h * d * 2, b * t * h_kv * d * 2
+        gate_bytes = q_bytes if gate == "gk" else b * t * h * 2
+        io_bytes = 2 * q_bytes + 2 * kv_bytes + gate_bytes
+        bytes_moved = {"fwd": io_bytes, "fwd+bwd": 2 * io_bytes + 2 * q_bytes}
+
+        # The float32 reference on a prefix (the same bf16 values, widened), once for both of
+        # ours: its output and gradients come back in float32.
+        short, short_d_o = prefix(inputs, check_len), d_o[:, :check_len]
+        wide = {n: x.astype(jnp.float32) for n, x in short.items()}
+        ref_o, ref_grads = forward_backward_fn(reference, scale)(wide, short_d_o.astype(jnp.float32))
+
+        for impl, op in ops.items():
+            peer = None
+            if fla is not None and h_kv == h:  # fla has no grouped key/value heads
+                peer = fla_peer(fla, impl, gate, inputs, d_o, scale, samples, refused)
+            fwd, fwd_bwd = forward_fn(op, scale), forward_backward_fn(op, scale)
+            ours_o, ours_grads = fwd_bwd(short, short_d_o)
+            err_ref = errors(ours_o, ours_grads, ref_o, ref_grads)
+            err_fla = None
+            if peer is not None:
+                full_o, full_grads = fwd_bwd(inputs, d_o)
+                err_fla = errors(full_o, full_grads, peer["o"], peer["grads"])
+                del full_o, full_grads
+            for against, err in (("reference", err_ref), ("fla", err_fla)):
+                if err is not None and (bad := past_tolerance(err)):
+                    failures.append(f"{name} {impl} vs {against}: {', '.join(bad)}")
+
+            stats = {"fwd": time_stats_ms(lambda: fwd(inputs), samples),
+                     "fwd+bwd": time_stats_ms(lambda: fwd_bwd(inputs, d_o), samples)}
+            for direction in ("fwd", "fwd+bwd"):
+                st = stats[direction]
+                extra = dict(min_ms=st["min_ms"], max_ms=st["max_ms"], samples=st["samples"],
+                             calls_per_sample=st["calls_per_sample"],
+                             rel_err_vs_reference=err_ref, checked_seq_len=check_len,
+                             kv_heads=h_kv)
+                if peer is not None:
+                    extra["peer"] = peer["name"]
+                    extra["rel_err_vs_fla"] = err_fla
+                    extra["speedup_vs_fla"] = peer["ms"][direction]["median_ms"] / st["median_ms"]
+                    summary[f"{name} {impl} {direction}"] = round(extra["speedup_vs_fla"], 3)
+                worst = err_ref["out"] if direction == "fwd" else max(
+                    e for n, e in err_ref.items() if n != "out")
+                rows.append(row(name, impl, direction, dims, "bfloat16", st["median_ms"],
+                                bytes_moved=bytes_moved[direction], copy_gbs=copy_gbs,
+                                rel_err=worst, gate=gate, **extra))
+            log(f"{name} {impl}: fwd {stats['fwd']['median_ms']:.4g} ms, fwd+bwd "
+                f"{stats['fwd+bwd']['median_ms']:.4g} ms; vs reference {fmt_err(err_ref)}"
+                + (f"; vs {peer['name']} {fmt_err(err_fla)}" if err_fla else ""))
+            if peer is not None:
+                for direction in ("fwd", "fwd+bwd"):
+                    st = peer["ms"][direction]
+                    rows.append(row(name, "fla", direction, dims, "bfloat16", st["median_ms"],
+                                    bytes_moved=bytes_moved[direction], copy_gbs=copy_gbs,
+                                    gate=gate, min_ms=st["min_ms"], max_ms=st["max_ms"],
+                                    samples=st["samples"], calls_per_sample=st["calls_per_sample"],
+                                    peer=peer["name"], races=impl, kv_heads=h_kv))
+            del peer
+        del inputs, d_o
+
+
+def kept_rows(out: str, run_names: set[str], this_commit: str | None, quick: bool
+              ) -> tuple[list, dict]:
+    """``--merge``: the rows (and fla's refusals) of the file in ``out`` for shapes this run does
+    not measure; refused unless that file was measured on the same commit (and device kind)."""
+    path = Path(out) / f"{OP}.json"
+    if not path.exists():
+        return [], {}
+    old = json.loads(path.read_text())
+    if old.get("commit") != this_commit or old.get("quick") != quick:
+        sys.exit(f"--merge: {path} was measured on {old.get('commit')} (quick={old.get('quick')}), "
+                 f"this run on {this_commit}: run every shape instead")
+    rows = [r for r in old["rows"] if r["name"].rsplit(" ", 1)[0] not in run_names]
+    return rows, old.get("peers_refused", {})
+
+
 def main():
-    args = parse_args(__doc__.splitlines()[0])
+    def extra(parser):
+        parser.add_argument("--shapes", help="indices into SHAPES to run, e.g. 0,2 (default all)")
+        parser.add_argument("--merge", action="store_true",
+                            help="keep the other shapes' rows of the file in --out (same commit)")
+
+    args = parse_args(__doc__.splitlines()[0], extra)
     quick = args.quick
     shapes = QUICK_SHAPES if quick else SHAPES
+    if args.shapes:
+        shapes = [shapes[int(i)] for i in args.shapes.split(",")]
     samples = QUICK_SAMPLES if quick else SAMPLES
     ops = dict(OURS)
     if quick:
@@ -210,108 +350,46 @@ def main():
     fla, fla_missing = load_fla()
     log(f"fla: {'loaded ' + str(fla['versions']) if fla else 'not run: ' + fla_missing}")
     copy_gbs, dispatch_ms = ceilings()
-    rows, summary, failures, refused = [], {}, [], {}
+    rows, refused = [], {}
+    if args.merge:
+        rows, refused = kept_rows(args.out, {shape_name(s) for s in shapes}, commit(), quick)
+    summary, failures = {}, []
     if fla is None and ejk_lite.ON_GPU:
         failures.append(f"peer fla not run on the GPU: {fla_missing}")
+
+    def write():
+        payload = dict(
+            commit=commit(), quick=quick, copy_bandwidth_gbs=copy_gbs,
+            dispatch_overhead_ms=dispatch_ms,
+            peer_fla=(f"fla {fla['versions']['fla']} (torch {fla['versions']['torch']}): "
+                      + ", ".join(f"{n} ({impl}, {gate})" for (impl, gate), n in PEER.items()))
+            if fla else f"not run: {fla_missing}",
+            peer_versions=fla["versions"] if fla else None,
+            peers_refused=refused,
+            target="at least fla's speed at every shape, forward and forward+backward: our chunked "
+                   "op against fla's chunk kernels, our recurrent one against its fused recurrent",
+            tolerance=TOL,
+            speedups_vs_fla={f"{r['name']} {r['impl']} {r['direction']}": round(r["speedup_vs_fla"], 3)
+                             for r in rows if "speedup_vs_fla" in r},
+            failures=failures, passed=not failures, rows=rows,
+            notes=("bf16 q, k, v, log-gates and cotangent; fp32 state. fwd: the output; fwd+bwd: "
+                   "jax.vjp of the output (final state unused) with a random cotangent, every "
+                   "input's gradient (fla: loss.backward with the same cotangent). Times: min / "
+                   f"median / max over {samples} samples: on a GPU CUDA events, L2 flushed before "
+                   "each (common.time_stats_ms for ours, common.event_samples_ms for fla); on a CPU "
+                   "(--quick) the wall clock of the interpreter, which only shows that the script "
+                   "runs. rel_err: the worst of the output (fwd) or of the gradients (fwd+bwd) "
+                   "against the float32 lax.scan reference on the first checked_seq_len tokens; "
+                   "rel_err_vs_reference / rel_err_vs_fla hold each one (vs fla: full inputs, the "
+                   "racing fla kernel's result as the reference). fla rows: 'races' names our op "
+                   "it races. H16/4: 16 query heads, 4 key/value heads (ours only). bytes: each "
+                   "input and output once."),
+        )
+        return write_result(args.out, OP, payload)
+
     for shape in shapes:
-        b, t, h, d = shape["batch"], shape["seq_len"], shape["heads"], shape["dim"]
-        scale = d ** -0.5
-        check_len = t if quick else min(t, CHECK_SEQ_LEN)
-        for gate in ("g", "gk"):
-            name = f"B{b} T{t} H{h} K=V={d} {gate}"
-            inputs, d_o = make_inputs(len(rows), b, t, h, d, gate)
-            dims = [b, t, h, d]
-            # Fewest bytes, bf16: q, k, v, the gate and o once (fwd); again with d_o and every
-            # input's gradient (fwd+bwd).
-            tensor_bytes = b * t * h * d * 2
-            gate_bytes = tensor_bytes if gate == "gk" else b * t * h * 2
-            io_bytes = 4 * tensor_bytes + gate_bytes
-            bytes_moved = {"fwd": io_bytes, "fwd+bwd": 2 * io_bytes + 2 * tensor_bytes}
-
-            # The float32 reference on a prefix (the same bf16 values, widened), once for both of
-            # ours: its output and gradients come back in float32.
-            short, short_d_o = prefix(inputs, check_len), d_o[:, :check_len]
-            wide = {n: x.astype(jnp.float32) for n, x in short.items()}
-            ref_o, ref_grads = forward_backward_fn(reference, scale)(wide, short_d_o.astype(jnp.float32))
-
-            peer = None
-            if fla is not None:
-                try:
-                    fla_o, fla_grads, fla_ms = run_fla(fla, gate, inputs, d_o, scale, samples)
-                    peer = dict(o=fla_o, grads=fla_grads, ms=fla_ms, name=PEER[gate])
-                except RuntimeError as error:
-                    # fla 0.6 refuses chunk_simple_gla with Triton < 3.7.1 on Hopper (its issue
-                    # 640: wrong gated gradients). Recorded; its chunk_gla computes the same
-                    # function with the gate broadcast along K, and runs.
-                    if gate != "g":
-                        raise
-                    refused[PEER[gate]] = f"{type(error).__name__}: {str(error)[:300]}"
-                    log(f"{PEER[gate]} refused: {refused[PEER[gate]]}")
-                    fla_o, fla_grads, fla_ms = run_fla(fla, gate, inputs, d_o, scale, samples,
-                                                       broadcast=True)
-                    peer = dict(o=fla_o, grads=fla_grads, ms=fla_ms, name=PEER_BROADCAST)
-            for impl, op in ops.items():
-                fwd, fwd_bwd = forward_fn(op, scale), forward_backward_fn(op, scale)
-                ours_o, ours_grads = fwd_bwd(short, short_d_o)
-                err_ref = errors(ours_o, ours_grads, ref_o, ref_grads)
-                err_fla = None
-                if peer is not None:
-                    full_o, full_grads = fwd_bwd(inputs, d_o)
-                    err_fla = errors(full_o, full_grads, peer["o"], peer["grads"])
-                    del full_o, full_grads
-                for against, err in (("reference", err_ref), ("fla", err_fla)):
-                    if err is not None and (bad := past_tolerance(err)):
-                        failures.append(f"{name} {impl} vs {against}: {', '.join(bad)}")
-
-                stats = {"fwd": time_stats_ms(lambda: fwd(inputs), samples),
-                         "fwd+bwd": time_stats_ms(lambda: fwd_bwd(inputs, d_o), samples)}
-                for direction in ("fwd", "fwd+bwd"):
-                    st = stats[direction]
-                    extra = dict(min_ms=st["min_ms"], max_ms=st["max_ms"], samples=st["samples"],
-                                 calls_per_sample=st["calls_per_sample"],
-                                 rel_err_vs_reference=err_ref, checked_seq_len=check_len)
-                    if peer is not None:
-                        extra["rel_err_vs_fla"] = err_fla
-                        extra["speedup_vs_fla"] = peer["ms"][direction]["median_ms"] / st["median_ms"]
-                        summary[f"{name} {impl} {direction}"] = round(extra["speedup_vs_fla"], 3)
-                    worst = err_ref["out"] if direction == "fwd" else max(
-                        e for n, e in err_ref.items() if n != "out")
-                    rows.append(row(name, impl, direction, dims, "bfloat16", st["median_ms"],
-                                    bytes_moved=bytes_moved[direction], copy_gbs=copy_gbs,
-                                    rel_err=worst, gate=gate, **extra))
-                log(f"{name} {impl}: fwd {stats['fwd']['median_ms']:.4g} ms, fwd+bwd "
-                    f"{stats['fwd+bwd']['median_ms']:.4g} ms; vs reference {fmt_err(err_ref)}"
-                    + (f"; vs fla {fmt_err(err_fla)}" if err_fla else ""))
-            if peer is not None:
-                for direction in ("fwd", "fwd+bwd"):
-                    st = peer["ms"][direction]
-                    rows.append(row(name, "fla", direction, dims, "bfloat16", st["median_ms"],
-                                    bytes_moved=bytes_moved[direction], copy_gbs=copy_gbs, gate=gate,
-                                    min_ms=st["min_ms"], max_ms=st["max_ms"], samples=st["samples"],
-                                    calls_per_sample=st["calls_per_sample"], peer=peer["name"]))
-            del inputs, d_o, peer
-
-    payload = dict(
-        commit=commit(), quick=quick, copy_bandwidth_gbs=copy_gbs, dispatch_overhead_ms=dispatch_ms,
-        peer_fla=(f"fla {fla['versions']['fla']} (torch {fla['versions']['torch']}): "
-                  f"{PEER['g']} (g), {PEER['gk']} (gk)") if fla else f"not run: {fla_missing}",
-        peer_versions=fla["versions"] if fla else None,
-        peers_refused=refused,
-        target="chunked at least as fast as fla's chunk kernels, forward and forward+backward",
-        tolerance=TOL, speedups_vs_fla=summary, failures=failures, passed=not failures, rows=rows,
-        notes=("bf16 q, k, v, log-gates and cotangent; fp32 state. fwd: the output; fwd+bwd: jax.vjp "
-               "of the output (final state unused) with a random cotangent, every input's gradient "
-               "(fla: loss.backward with the same cotangent). Times: min / median / max over "
-               f"{samples} samples: on a GPU CUDA events, L2 flushed before each (common.time_stats_ms "
-               "for ours, common.event_samples_ms for fla); on a CPU (--quick) the wall clock of the "
-               "interpreter, which only shows that the script runs. rel_err: the worst of the output (fwd) or "
-               f"of the gradients (fwd+bwd) against the float32 lax.scan reference on the first "
-               "checked_seq_len tokens; rel_err_vs_reference / rel_err_vs_fla hold each one "
-               "(vs fla: full inputs, fla's result as the reference). 'recurrent' is our "
-               "token-by-token kernel on the same inputs. bytes: each input and output once."),
-    )
-    path = write_result(args.out, OP, payload)
-    log(f"wrote {path}")
+        run_shape(shape, ops, fla, samples, quick, copy_gbs, rows, summary, failures, refused)
+        log(f"wrote {write()}")  # after every shape: a run cut short keeps what it finished
     print_table(rows, ["name", "impl", "direction", "median_ms", "min_ms", "max_ms", "gbs", "rel_err",
                        "speedup_vs_fla"])
     if failures:
