@@ -87,6 +87,8 @@ PEER = {("chunked", "g"): "fla.ops.simple_gla.chunk_simple_gla",
         ("recurrent", "g"): "fla.ops.simple_gla.fused_recurrent_simple_gla",
         ("recurrent", "gk"): "fla.ops.gla.fused_recurrent_gla"}
 PEER_BROADCAST = "fla.ops.gla.chunk_gla, the scalar gate broadcast along K"
+# The ``impl`` of fla's rows, by the op of ours they race.
+FLA_IMPL = {"chunked": "fla", "recurrent": "fla_recurrent"}
 
 START = time.perf_counter()
 
@@ -308,7 +310,8 @@ def run_shape(shape, ops, fla, samples, quick, copy_gbs, rows, summary, failures
             if peer is not None:
                 for direction in ("fwd", "fwd+bwd"):
                     st = peer["ms"][direction]
-                    rows.append(row(name, "fla", direction, dims, "bfloat16", st["median_ms"],
+                    rows.append(row(name, FLA_IMPL[impl], direction, dims, "bfloat16",
+                                    st["median_ms"],
                                     bytes_moved=bytes_moved[direction], copy_gbs=copy_gbs,
                                     gate=gate, min_ms=st["min_ms"], max_ms=st["max_ms"],
                                     samples=st["samples"], calls_per_sample=st["calls_per_sample"],
@@ -318,18 +321,18 @@ def run_shape(shape, ops, fla, samples, quick, copy_gbs, rows, summary, failures
 
 
 def kept_rows(out: str, run_names: set[str], this_commit: str | None, quick: bool
-              ) -> tuple[list, dict]:
+              ) -> tuple[list, dict, list]:
     """``--merge``: the rows (and fla's refusals) of the file in ``out`` for shapes this run does
     not measure; refused unless that file was measured on the same commit (and device kind)."""
     path = Path(out) / f"{OP}.json"
     if not path.exists():
-        return [], {}
+        return [], {}, []
     old = json.loads(path.read_text())
     if old.get("commit") != this_commit or old.get("quick") != quick:
         sys.exit(f"--merge: {path} was measured on {old.get('commit')} (quick={old.get('quick')}), "
                  f"this run on {this_commit}: run every shape instead")
     rows = [r for r in old["rows"] if r["name"].rsplit(" ", 1)[0] not in run_names]
-    return rows, old.get("peers_refused", {})
+    return rows, old.get("peers_refused", {}), old.get("commands", [old.get("command")])
 
 
 def main():
@@ -350,16 +353,17 @@ def main():
     fla, fla_missing = load_fla()
     log(f"fla: {'loaded ' + str(fla['versions']) if fla else 'not run: ' + fla_missing}")
     copy_gbs, dispatch_ms = ceilings()
-    rows, refused = [], {}
+    rows, refused, earlier = [], {}, []
     if args.merge:
-        rows, refused = kept_rows(args.out, {shape_name(s) for s in shapes}, commit(), quick)
+        rows, refused, earlier = kept_rows(args.out, {shape_name(s) for s in shapes}, commit(), quick)
     summary, failures = {}, []
     if fla is None and ejk_lite.ON_GPU:
         failures.append(f"peer fla not run on the GPU: {fla_missing}")
 
     def write():
         payload = dict(
-            commit=commit(), quick=quick, copy_bandwidth_gbs=copy_gbs,
+            commit=commit(), commands=[*earlier, " ".join(sys.argv)], quick=quick,
+            copy_bandwidth_gbs=copy_gbs,
             dispatch_overhead_ms=dispatch_ms,
             peer_fla=(f"fla {fla['versions']['fla']} (torch {fla['versions']['torch']}): "
                       + ", ".join(f"{n} ({impl}, {gate})" for (impl, gate), n in PEER.items()))
@@ -382,7 +386,8 @@ def main():
                    "against the float32 lax.scan reference on the first checked_seq_len tokens; "
                    "rel_err_vs_reference / rel_err_vs_fla hold each one (vs fla: full inputs, the "
                    "racing fla kernel's result as the reference). fla rows: 'races' names our op "
-                   "it races. H16/4: 16 query heads, 4 key/value heads (ours only). bytes: each "
+                   "it races (impl 'fla': the chunk kernels; 'fla_recurrent': the fused "
+                   "recurrent ones). H16/4: 16 query heads, 4 key/value heads (ours only). bytes: each "
                    "input and output once."),
         )
         return write_result(args.out, OP, payload)

@@ -296,19 +296,22 @@ def recurrent_cost(B: int, T: int, H: int, K: int, V: int, gated: bool, directio
 
 
 def chunked_cost(B: int, T: int, H: int, K: int, V: int, gate: str, direction: str,
-                 chunk: int = 64, itemsize: int = 2) -> Cost:
+                 chunk: int = 64, itemsize: int = 2, kv_heads: int | None = None) -> Cost:
     """The chunked recurrence (``ejk_lite.chunked_recurrent``) in chunks of ``chunk`` tokens,
     its products on tensor cores. Per token, forward: q k^T over the chunk's whole C x C tile
     (2 C K), A v (2 C V), q H (2 K V) and the state update k^T v (2 K V). The backward does two
     products for each forward one (the gradients of both factors) and recomputes the states
     (2 K V more). ``gate``: ``"g"`` (one per token and head) or ``"gk"`` (one per key
-    feature); the per-key gate's elementwise work on the diagonal sub-chunks is not counted."""
+    feature); the per-key gate's elementwise work on the diagonal sub-chunks is not counted.
+    ``kv_heads``: grouped key/value heads (default ``H``), whose k, v (and dk, dv) are smaller."""
+    H_kv = H if kv_heads is None else kv_heads
     gate_bytes = {"g": B * T * H, "gk": B * T * H * K}[gate] * itemsize
     forward = 2 * chunk * K + 2 * chunk * V + 4 * K * V
+    per_head = B * T * (K + V) * itemsize  # q and o (or k and v) of one head
     if direction == "fwd":
-        n_bytes, per_token = B * T * H * (2 * K + 2 * V) * itemsize + gate_bytes, forward
-    else:
-        n_bytes = B * T * H * (4 * K + 4 * V) * itemsize + 2 * gate_bytes
+        n_bytes, per_token = per_head * (H + H_kv) + gate_bytes, forward
+    else:  # and do, dq (dk, dv)
+        n_bytes = 2 * per_head * (H + H_kv) + 2 * gate_bytes
         per_token = 3 * forward + 2 * K * V
     return Cost(bytes=n_bytes, flops=B * T * H * per_token, unit="tensor")
 
@@ -364,7 +367,8 @@ def row_cost(op: str, row: dict, chunk: int = 64) -> Cost | None:
         return recurrent_cost(B, T, H, D, D, row["name"].endswith(" gk"), direction)
     if op == "chunked":
         B, T, H, D = _shape(row)
-        return chunked_cost(B, T, H, D, D, row["gate"], direction, chunk)
+        return chunked_cost(B, T, H, D, D, row["gate"], direction, chunk,
+                            kv_heads=row.get("kv_heads"))
     if op == "attention":
         B, Hq, Hkv, T, D = _shape(row)
         return attention_cost(B, Hq, Hkv, T, D, row["visible_pairs"], direction)

@@ -77,6 +77,12 @@ def test_counts_worked_by_hand():
     assert (c.bytes, c.flops, c.unit) == (2 * 10 + 2, fwd, "tensor")
     c = chunked_cost(1, 1, 1, 2, 3, "gk", "fwd+bwd", chunk=4)
     assert c[:2] == (2 * 20 + 2 * 2 * 2, 3 * fwd + 12)
+    # grouped: 4 query heads, 2 key/value heads: q, o of 4 heads and k, v of 2 (K + V = 5 each),
+    # the per-token flops of 4 heads.
+    c = chunked_cost(1, 1, 4, 2, 3, "g", "fwd", chunk=4, kv_heads=2)
+    assert c[:2] == (2 * 5 * (4 + 2) + 2 * 4, 4 * fwd)
+    assert chunked_cost(1, 1, 4, 2, 3, "g", "fwd+bwd", chunk=4, kv_heads=2)[0] == (
+        2 * 2 * 5 * (4 + 2) + 2 * 2 * 4)
     # attention, 10 visible pairs, D=8: 4 x 8 flops each; q, k, v, o of 3 tokens, one head.
     c = attention_cost(1, 1, 1, 3, 8, 10, "fwd")
     assert (c.bytes, c.flops) == (4 * 3 * 8 * 2, 320)
