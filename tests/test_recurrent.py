@@ -103,6 +103,17 @@ def test_gates(rng, gates, gate_scale):
     check_against_reference(rng, make_inputs(rng, gates=gates, gate_scale=gate_scale))
 
 
+@pytest.mark.parametrize("impl", ["triton", "xla"])
+@pytest.mark.parametrize("gate", ["g", "gk", "gv"])
+def test_gate_that_forgets_everything(rng, gate, impl):
+    """A log-gate of -inf (exp = 0: the state, or for gv a value column, is reset there), twice
+    in a row once: output, final state and every gradient, the gate's included, those of the
+    float64 reference (whose gradient there is 0, never 0 * inf)."""
+    inputs = make_inputs(rng, seq_len=40, gates=(gate,))
+    inputs[gate][0, [3, 20, 21]] = -np.inf
+    check_against_reference(rng, inputs, impl=impl)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("packed", [False, True])
 def test_xla_impl(rng, dtype, packed):
