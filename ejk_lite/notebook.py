@@ -421,16 +421,23 @@ def recorded_label(data: dict, stem: str) -> str:
     return line
 
 
-def roofline_table(rows: list[dict], case=None) -> str:
+def roofline_table(rows: list[dict], case=None, drop=()) -> str:
     """An HTML table of :func:`roofline_rows`: the intensity (flop/B), which resource bounds
     it, the two floors, the measured time and the share of each floor reached. ``case(row)``:
-    the text of the first column."""
+    the text of the first column. ``drop``: headers of columns to leave out, where a chapter
+    says their content once instead (every row memory-bound, say) and the page is narrow; a
+    name that is not a header is a ``ValueError``."""
     from html import escape
 
     case = case or (lambda r: f"{r['name']}, {r['dtype']}")
     header = ["case", "impl", "pass", "flop/B", "bound", "floor, datasheet (ms)",
               "floor, measured ceilings (ms)", "measured (ms)", "share of the datasheet floor",
               "share of the measured floor"]
+    unknown = [name for name in drop if name not in header]
+    if isinstance(drop, str) or unknown:
+        raise ValueError(f"roofline_table: drop must be a sequence of column headers from "
+                         f"{header}, got {drop!r}")
+    kept = [i for i, name in enumerate(header) if name not in drop]
 
     def pct(x):
         return "n/a" if x is None else f"{100 * x:.1f}%"
@@ -442,10 +449,10 @@ def roofline_table(rows: list[dict], case=None) -> str:
                  "n/a" if r["measured_floor"] is None else f"{r['measured_floor'].ms:.4f}",
                  f"{r['ms']:.4f}", pct(r["share"]), pct(r["measured_share"])]
         body.append("<tr>" + "".join(
-            f"<td style='padding:2px 6px;text-align:{'left' if i < 3 else 'right'}'>{c}</td>"
-            for i, c in enumerate(cells)) + "</tr>")
-    head = "".join(f"<th style='padding:2px 6px;vertical-align:bottom'>{escape(h)}</th>"
-                   for h in header)
+            f"<td style='padding:2px 6px;text-align:{'left' if i < 3 else 'right'}'>"
+            f"{cells[i]}</td>" for i in kept) + "</tr>")
+    head = "".join(f"<th style='padding:2px 6px;vertical-align:bottom'>{escape(header[i])}</th>"
+                   for i in kept)
     return (f"<table style='font-size:0.85em;border-collapse:collapse'><tr>{head}</tr>"
             + "".join(body) + "</table>")
 

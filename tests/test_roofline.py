@@ -125,6 +125,20 @@ def test_rows_carry_both_floors_and_shares():
     assert table.count("<tr>") == len(rows) + 1 and "compute" in table
 
 
+
+def test_table_drops_the_columns_asked_for():
+    rows = roofline_rows("chunked", results("chunked"), impls=("chunked",))
+    full = roofline_table(rows)
+    narrow = roofline_table(rows, drop=("bound",))
+    # one header and one cell per row fewer, and only the bound's
+    assert full.count("<th") - narrow.count("<th") == 1 and ">bound</th>" not in narrow
+    assert full.count("<td") - narrow.count("<td") == len(rows)
+    assert ">memory</td>" in full and ">memory</td>" not in narrow
+    assert narrow.count("<tr>") == len(rows) + 1
+    for bad in (("bounds",), "bound"):  # a misspelt header; a string, not a sequence of them
+        with pytest.raises(ValueError, match="drop"):
+            roofline_table(rows, drop=bad)
+
 def test_recorded_label_names_file_commit_and_date():
     data = results("chunked")
     label = recorded_label(data, "chunked")
