@@ -125,7 +125,6 @@ def test_rows_carry_both_floors_and_shares():
     assert table.count("<tr>") == len(rows) + 1 and "compute" in table
 
 
-
 def test_table_drops_the_columns_asked_for():
     rows = roofline_rows("chunked", results("chunked"), impls=("chunked",))
     full = roofline_table(rows)
@@ -138,6 +137,7 @@ def test_table_drops_the_columns_asked_for():
     for bad in (("bounds",), "bound"):  # a misspelt header; a string, not a sequence of them
         with pytest.raises(ValueError, match="drop"):
             roofline_table(rows, drop=bad)
+
 
 def test_recorded_label_names_file_commit_and_date():
     data = results("chunked")
