@@ -1,5 +1,5 @@
-"""Helpers for the book's notebooks: figures with live controls, the recorded GPU results, the
-checker of the exercises, and the rooflines (what an op must move and compute, the floor that
+"""Helpers for the book's notebooks: figures with live controls, listings and diffs of code, the
+recorded GPU results, the checker of the exercises, and the rooflines (what an op must move and compute, the floor that
 sets on a GPU, and one figure for every chapter).
 
 None is needed to use the kernels; they are here so that a chapter downloaded from the built
@@ -30,9 +30,9 @@ import re
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
-__all__ = ["H100_SXM", "Cost", "Floor", "Peaks", "check_exercise", "floor_ms", "live_figure",
-           "recorded_label", "recorded_results", "roofline_figure", "roofline_rows",
-           "roofline_table", "row_cost"]
+__all__ = ["H100_SXM", "Cost", "Floor", "Peaks", "check_exercise", "code_diff", "floor_ms",
+           "live_figure", "recorded_label", "recorded_results", "roofline_figure",
+           "roofline_rows", "roofline_table", "row_cost", "show_code", "show_diff", "source_of"]
 
 
 def live_figure(draw: Callable[..., Any], placeholder: str | None = None,
@@ -63,6 +63,80 @@ def live_figure(draw: Callable[..., Any], placeholder: str | None = None,
     display({"application/vnd.jupyter.widget-view+json": {
         "model_id": widgets.HBox(live).model_id, "version_major": 2, "version_minor": 0}},
         raw=True)
+
+
+# The book's rule: a code line on the built page is at most this wide (tools/check_book.py).
+PAGE_WIDTH = 90
+
+
+def source_of(obj: Any, name: str = "obj") -> str:
+    """The source of a function (a ``@triton.jit`` one through its Python function, ``.fn``),
+    or a string of code as it is, dedented. Anything else is a ``ValueError`` naming ``name``."""
+    import inspect
+    import textwrap
+
+    if isinstance(obj, str):
+        return textwrap.dedent(obj).strip("\n")
+    fn = getattr(obj, "fn", obj)  # a @triton.jit function keeps the Python function in .fn
+    if not (inspect.isfunction(fn) or inspect.ismethod(fn)):
+        raise ValueError(f"{name} must be a function, a @triton.jit function or a string of "
+                         f"code, got {type(obj).__name__}")
+    return textwrap.dedent(inspect.getsource(fn)).strip("\n")
+
+
+def _fits(text: str, width: int | None, name: str) -> str:
+    # Nothing is reflowed: a line too wide for the page is an error, so that an edit of the
+    # shipped code that breaks the page fails the chapter instead of spilling off it.
+    if width is not None:
+        for number, line in enumerate(text.splitlines(), 1):
+            if len(line) > width:
+                raise ValueError(f"{name}: line {number} has {len(line)} characters, more than "
+                                 f"the page's {width}: {line.strip()[:60]!r}")
+    return text
+
+
+def _display_code(text: str, language: str) -> None:
+    from IPython.display import Code, display
+
+    display(Code(text, language=language))
+
+
+def show_code(obj: Any, *, width: int | None = PAGE_WIDTH) -> None:
+    """Display a function's source (or a string of code), highlighted, exactly as written.
+
+    Lines are never re-wrapped: one wider than ``width`` characters (the page's) is a
+    ``ValueError`` (``width=None`` allows any)."""
+    text = source_of(obj, "obj")
+    _display_code(_fits(text, width, getattr(obj, "__name__", "obj")), "python")
+
+
+def _label(obj: Any, default: str) -> str:
+    return getattr(getattr(obj, "fn", obj), "__name__", default)
+
+
+def code_diff(old: Any, new: Any, *, context: int = 3) -> str:
+    """The unified diff (``difflib``) of two functions' sources (or strings of code), with
+    ``context`` unchanged lines around each change; "" where they are the same."""
+    if not isinstance(context, int) or isinstance(context, bool) or context < 0:
+        raise ValueError(f"context must be an int >= 0, got {context!r}")
+    import difflib
+
+    before, after = source_of(old, "old"), source_of(new, "new")
+    lines = difflib.unified_diff(before.splitlines(), after.splitlines(),
+                                 fromfile=_label(old, "old"), tofile=_label(new, "new"),
+                                 n=context, lineterm="")
+    return "\n".join(lines)
+
+
+def show_diff(old: Any, new: Any, *, context: int = 3, width: int | None = PAGE_WIDTH) -> None:
+    """Display what ``new`` changes from ``old`` (functions or strings of code) as a unified
+    diff, highlighted: ``-`` lines removed, ``+`` lines added, ``context`` unchanged lines
+    around each change. ``width`` bounds the lines as :func:`show_code` does (a diff's line is
+    its line of code after one character)."""
+    text = code_diff(old, new, context=context)
+    if not text:
+        raise ValueError("old and new are the same code: no diff to show")
+    _display_code(_fits(text, width, f"diff of {_label(old, 'old')}"), "diff")
 
 
 def check_exercise(got: Any, expected: Any, *, rtol: float = 1e-5, atol: float = 1e-6,

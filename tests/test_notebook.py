@@ -134,3 +134,70 @@ def test_check_exercise_fails_on_a_shape_mismatch_without_raising(capsys):
 
     assert not check_exercise(np.zeros((2, 3)), np.zeros((3, 2)), name="shape")
     assert capsys.readouterr().out == "FAIL shape: shape (2, 3), expected (3, 2)\n"
+
+
+# show_code, show_diff: the shipped code and the chapters' kernel versions, highlighted.
+
+OLD = "\n".join(["def kernel(x):"] + [f"    a{i} = x + {i}" for i in range(12)]
+                + ["    return a11"])
+
+
+def test_code_diff_shows_the_changed_lines_and_only_nearby_context():
+    from ejk_lite.notebook import code_diff
+
+    new = OLD.replace("a5 = x + 5", "a5 = x * 5").replace("return a11", "return a11, a5")
+    diff = code_diff(OLD, new, context=2).splitlines()
+    assert diff[:2] == ["--- old", "+++ new"]
+    assert "-    a5 = x + 5" in diff and "+    a5 = x * 5" in diff
+    assert "-    return a11" in diff and "+    return a11, a5" in diff
+    assert "     a4 = x + 4" in diff and "     a10 = x + 10" in diff  # 2 lines of context
+    assert not any("a0 =" in line or "a2 =" in line or "a8 =" in line for line in diff)
+    assert code_diff(OLD, OLD) == ""
+
+
+def test_sources_of_triton_jit_functions_are_unwrapped(capsys):
+    import triton
+    import triton.language as tl
+
+    from ejk_lite.notebook import code_diff, show_code, show_diff, source_of
+
+    @triton.jit
+    def scale_v1(x_ptr, N: tl.constexpr):
+        x = tl.load(x_ptr + tl.arange(0, N))
+        tl.store(x_ptr + tl.arange(0, N), x * 2)
+
+    @triton.jit
+    def scale_v2(x_ptr, N: tl.constexpr):
+        x = tl.load(x_ptr + tl.arange(0, N))
+        tl.store(x_ptr + tl.arange(0, N), x * 3)
+
+    text = source_of(scale_v1)
+    assert text.startswith("@triton.jit\ndef scale_v1(x_ptr, N: tl.constexpr):")
+    assert text.endswith("x * 2)")
+    diff = code_diff(scale_v1, scale_v2, context=0).splitlines()
+    assert diff[:2] == ["--- scale_v1", "+++ scale_v2"]
+    assert [line for line in diff if line[:1] in "+-" and line[:3] not in ("---", "+++")] == [
+        "-def scale_v1(x_ptr, N: tl.constexpr):", "+def scale_v2(x_ptr, N: tl.constexpr):",
+        "-    tl.store(x_ptr + tl.arange(0, N), x * 2)",
+        "+    tl.store(x_ptr + tl.arange(0, N), x * 3)"]
+    show_code(scale_v1)  # outside IPython, display prints the Code's text
+    show_diff(scale_v1, scale_v2)
+    out = capsys.readouterr().out
+    assert "def scale_v1" in out and "+    tl.store(x_ptr + tl.arange(0, N), x * 3)" in out
+
+
+def test_show_code_and_diff_name_a_bad_argument():
+    from ejk_lite.notebook import code_diff, show_code, show_diff
+
+    with pytest.raises(ValueError, match="obj must be a function"):
+        show_code(42)
+    with pytest.raises(ValueError, match="new must be a function"):
+        code_diff(OLD, None)
+    with pytest.raises(ValueError, match="context must be"):
+        code_diff(OLD, OLD, context=-1)
+    with pytest.raises(ValueError, match="old and new are the same"):
+        show_diff(OLD, OLD)
+    wide = "def f():\n    return " + "1 + " * 30 + "1"
+    with pytest.raises(ValueError, match="line 2 has 132 characters"):
+        show_code(wide)
+    show_code(wide, width=None)
