@@ -1,6 +1,7 @@
-"""Helpers for the book's notebooks: figures with live controls, listings and diffs of code, the
-recorded GPU results, the checker of the exercises, and the rooflines (what an op must move and compute, the floor that
-sets on a GPU, and one figure for every chapter).
+"""Helpers for the book's notebooks: figures with live controls, listings and diffs of code
+(highlighted, never re-wrapped), the recorded GPU results, the checker of the exercises, and
+the rooflines (what an op must move and compute, the floor that sets on a GPU, and one figure
+for every chapter).
 
 None is needed to use the kernels; they are here so that a chapter downloaded from the built
 book and opened on a hosted notebook (where only the installed package is at hand) runs as it
