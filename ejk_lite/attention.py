@@ -188,11 +188,12 @@ def _any_not_finite(x):
 
 @triton.jit
 def _logits(q, k, offs_m, offs_n, bias_base, stride_bt, stride_bs, SCALE: tl.constexpr,
-            SOFT_CAP: tl.constexpr, T, S, USE_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr,
-            DOT_PRECISION: tl.constexpr):
-    """The final logits in base 2, ``log2(e) * (cap * tanh(SCALE q k^T / cap) + bias)``, and the
-    tanh (for the soft cap's derivative). Base 2 because ``exp2`` is one instruction; without a
-    soft cap and a bias the whole scaling is one multiply by a constant."""
+            SOFT_CAP: tl.constexpr, T, S, USE_SOFTCAP: tl.constexpr,
+            HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """The final logits in base 2, ``log2(e) * (cap * tanh(SCALE q k^T / cap) + bias)``,
+    and the tanh (for the soft cap's derivative). Base 2 because ``exp2`` is one
+    instruction; without a soft cap and a bias the whole scaling is one multiply by a
+    constant."""
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     t = s
     if USE_SOFTCAP:
@@ -286,18 +287,20 @@ def _visible(offs_m, offs_n, q_seg, q_pos, ids_base, stride_kind, mask_base, win
 
 
 @triton.jit
-def _fwd_tiles(acc, m_i, l_i, q, offs_m, q_seg, q_pos, list_ptr, count, n_blocks, k_base, v_base,
-               ids_base, stride_kind, mask_base, bias_base, stride_bt, stride_bs,
+def _fwd_tiles(acc, m_i, l_i, q, offs_m, q_seg, q_pos, list_ptr, count, n_blocks, k_base,
+               v_base, ids_base, stride_kind, mask_base, bias_base, stride_bt, stride_bs,
                window_left, window_right, window2_left, window2_right, T, S,
-               SCALE: tl.constexpr, SOFT_CAP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-               BD: tl.constexpr, BDV: tl.constexpr, BK: tl.constexpr, MASKED: tl.constexpr,
-               HAS_SEGMENTS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-               HAS_TOKEN_MASK: tl.constexpr, CLAUSE2: tl.constexpr, HAS_SEGMENTS2: tl.constexpr,
-               IS_CAUSAL2: tl.constexpr, HAS_WINDOW2: tl.constexpr, HAS_BIAS: tl.constexpr,
-               USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_S: tl.constexpr,
-               SAFE: tl.constexpr):
-    """The online-softmax inner loop over ``count`` key blocks read from ``list_ptr``; ``SAFE``:
-    keep a NaN or an inf of v inside the rows that see it (see ``_any_not_finite``)."""
+               SCALE: tl.constexpr, SOFT_CAP: tl.constexpr, D: tl.constexpr,
+               DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BK: tl.constexpr,
+               MASKED: tl.constexpr, HAS_SEGMENTS: tl.constexpr, IS_CAUSAL: tl.constexpr,
+               HAS_WINDOW: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr,
+               CLAUSE2: tl.constexpr, HAS_SEGMENTS2: tl.constexpr,
+               IS_CAUSAL2: tl.constexpr, HAS_WINDOW2: tl.constexpr,
+               HAS_BIAS: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+               DOT_PRECISION: tl.constexpr, EVEN_S: tl.constexpr, SAFE: tl.constexpr):
+    """The online-softmax inner loop over ``count`` key blocks read from ``list_ptr``;
+    ``SAFE``: keep a NaN or an inf of v inside the rows that see it (see
+    ``_any_not_finite``)."""
     offs_d = tl.arange(0, BD)
     offs_dv = tl.arange(0, BDV)
     for i in range(count):
@@ -305,28 +308,31 @@ def _fwd_tiles(acc, m_i, l_i, q, offs_m, q_seg, q_pos, list_ptr, count, n_blocks
         offs_n = kb * BK + tl.arange(0, BK)
         k = _load_tile(k_base, offs_n, offs_d, S, D, EVEN_S & (D == BD))
         v = _load_tile(v_base, offs_n, offs_dv, S, DV, EVEN_S & (DV == BDV))
-        s, _ = _logits(q, k, offs_m, offs_n, bias_base, stride_bt, stride_bs, SCALE, SOFT_CAP, T, S,
-                       USE_SOFTCAP, HAS_BIAS, DOT_PRECISION)
+        s, _ = _logits(q, k, offs_m, offs_n, bias_base, stride_bt, stride_bs, SCALE,
+                       SOFT_CAP, T, S, USE_SOFTCAP, HAS_BIAS, DOT_PRECISION)
         visible = _visible(offs_m, offs_n, q_seg, q_pos, ids_base, stride_kind, mask_base,
-                           window_left, window_right, window2_left, window2_right, T, S, MASKED,
-                           HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2,
-                           HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2)
+                           window_left, window_right, window2_left, window2_right, T, S,
+                           MASKED, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK,
+                           CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2)
         if MASKED or not EVEN_S:  # full tiles of an even length: every pair is visible
             s = tl.where(visible, s, float("-inf"))
         if SAFE:
-            # A NaN (or inf) in the v row of a key that a row cannot see must not reach that row,
-            # as p = 0 times NaN would: zero such v rows for the dot, and poison exactly the rows
-            # that do see one. Full tiles need none of it: every row sees every key there.
+            # A NaN (or inf) in the v row of a key that a row cannot see must not reach
+            # that row, as p = 0 times NaN would: zero such v rows for the dot, and poison
+            # exactly the rows that do see one. Full tiles need none of it: every row sees
+            # every key there.
             finite = _finite(v)
             v = tl.where(finite, v, tl.zeros_like(v))
             bad_key = tl.max(tl.where(finite, 0, 1), 1) > 0
             poisoned = tl.max(tl.where(visible & bad_key[None, :], 1, 0), 1) > 0
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
+        # 0 for a row that has seen nothing yet
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v,
+                                            input_precision=DOT_PRECISION)
         if SAFE:  # NaN stays NaN through every later rescaling and sum
             acc = tl.where(poisoned[:, None], float("nan"), acc)
         m_i = m_new
@@ -340,21 +346,22 @@ def _attention_fwd_kernel(
     partial_count_ptr, partial_index_ptr, full_count_ptr, full_index_ptr,
     # scalars
     window_left, window_right, window2_left, window2_right, T, S, n_q_blocks, n_kv_blocks,
-    stride_ids_b, stride_kind, stride_mask_b, stride_mask_h, stride_bb, stride_bh, stride_bt,
-    stride_bs, stride_bm_b, stride_bm_h,
+    stride_ids_b, stride_kind, stride_mask_b, stride_mask_h, stride_bb, stride_bh,
+    stride_bt, stride_bs, stride_bm_b, stride_bm_h,
     # outputs
     o_ptr, lse_ptr,
     # shapes and features
     SCALE: tl.constexpr, SOFT_CAP: tl.constexpr, H: tl.constexpr, G: tl.constexpr,
-    D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BQ: tl.constexpr,
-    BK: tl.constexpr, HAS_SEGMENTS: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr, CLAUSE2: tl.constexpr,
+    D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+    BQ: tl.constexpr, BK: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr,
+    CLAUSE2: tl.constexpr,
     HAS_SEGMENTS2: tl.constexpr, IS_CAUSAL2: tl.constexpr, HAS_WINDOW2: tl.constexpr,
     HAS_BIAS: tl.constexpr, USE_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, EVEN_S: tl.constexpr, OPTIMISTIC: tl.constexpr,
 ):
-    # Query blocks in reverse order: under a causal mask the last blocks have the most work; they
-    # start first, so the short ones fill the gaps at the end.
+    # Query blocks in reverse order: under a causal mask the last blocks have the most
+    # work; they start first, so the short ones fill the gaps at the end.
     i_m = n_q_blocks - 1 - tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
@@ -371,11 +378,14 @@ def _attention_fwd_kernel(
     q = tl.load(q_base + offs_m[:, None] * D + offs_d[None, :],
                 mask=in_q[:, None] & (offs_d < D)[None, :], other=0.0)
     ids_base = ids_ptr + i_b * stride_ids_b
-    q_seg, q_pos = _q_ids(ids_base, stride_kind, offs_m, T, HAS_SEGMENTS, IS_CAUSAL or HAS_WINDOW)
-    mask_base = token_mask_ptr + i_b.to(tl.int64) * stride_mask_b + i_h.to(tl.int64) * stride_mask_h
+    q_seg, q_pos = _q_ids(ids_base, stride_kind, offs_m, T, HAS_SEGMENTS,
+                          IS_CAUSAL or HAS_WINDOW)
+    mask_base = (token_mask_ptr + i_b.to(tl.int64) * stride_mask_b
+                 + i_h.to(tl.int64) * stride_mask_h)
     bias_base = bias_ptr + i_b.to(tl.int64) * stride_bb + i_h.to(tl.int64) * stride_bh
 
-    if HAS_SINKS:  # the sink is the first "logit" of every row: m = sink, l = exp2(sink - m) = 1
+    # the sink is the first "logit" of every row: m = sink, l = exp2(sink - m) = 1
+    if HAS_SINKS:
         m_i = tl.zeros([BQ], tl.float32) + tl.load(sink_ptr + i_h).to(tl.float32) * LOG2E
         l_i = tl.zeros([BQ], tl.float32) + 1.0
     else:
@@ -389,31 +399,35 @@ def _attention_fwd_kernel(
     acc0, m0, l0 = acc, m_i, l_i
     partial_list = partial_index_ptr + row.to(tl.int64) * n_kv_blocks
     acc, m_i, l_i = _fwd_tiles(
-        acc0, m0, l0, q, offs_m, q_seg, q_pos, partial_list, n_partial, n_kv_blocks, k_base,
-        v_base, ids_base, stride_kind, mask_base, bias_base, stride_bt, stride_bs, window_left,
-        window_right, window2_left, window2_right, T, S, SCALE, SOFT_CAP, D, DV, BD, BDV, BK, True,
-        HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2,
-        HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP, DOT_PRECISION, EVEN_S, not OPTIMISTIC)
+        acc0, m0, l0, q, offs_m, q_seg, q_pos, partial_list, n_partial, n_kv_blocks,
+        k_base, v_base, ids_base, stride_kind, mask_base, bias_base, stride_bt, stride_bs,
+        window_left, window_right, window2_left, window2_right, T, S, SCALE, SOFT_CAP, D,
+        DV, BD, BDV, BK, True, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK,
+        CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP,
+        DOT_PRECISION, EVEN_S, not OPTIMISTIC)
     if OPTIMISTIC:  # a constexpr: float32 ran its tiles with SAFE already
         if _any_not_finite(acc):  # rare: contain it (see _any_not_finite)
             acc, m_i, l_i = _fwd_tiles(
-                 acc0, m0, l0, q, offs_m, q_seg, q_pos, partial_list, n_partial, n_kv_blocks,
-                k_base, v_base, ids_base, stride_kind, mask_base, bias_base, stride_bt, stride_bs,
-                window_left, window_right, window2_left, window2_right, T, S, SCALE, SOFT_CAP, D,
-                DV, BD, BDV, BK, True, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2,
-                HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP, DOT_PRECISION,
-                EVEN_S, True)
+                acc0, m0, l0, q, offs_m, q_seg, q_pos, partial_list, n_partial,
+                n_kv_blocks, k_base, v_base, ids_base, stride_kind, mask_base, bias_base,
+                stride_bt, stride_bs, window_left, window_right, window2_left,
+                window2_right, T, S, SCALE, SOFT_CAP, D, DV, BD, BDV, BK, True,
+                HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2,
+                HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP,
+                DOT_PRECISION, EVEN_S, True)
     acc, m_i, l_i = _fwd_tiles(
-        acc, m_i, l_i, q, offs_m, q_seg, q_pos, full_index_ptr + row.to(tl.int64) * n_kv_blocks,
-        n_full, n_kv_blocks, k_base, v_base, ids_base, stride_kind, mask_base, bias_base,
-        stride_bt, stride_bs, window_left, window_right, window2_left, window2_right, T, S, SCALE,
-        SOFT_CAP, D, DV, BD, BDV, BK, False, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK,
-        CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP, DOT_PRECISION,
-        EVEN_S, False)
+        acc, m_i, l_i, q, offs_m, q_seg, q_pos,
+        full_index_ptr + row.to(tl.int64) * n_kv_blocks, n_full, n_kv_blocks, k_base,
+        v_base, ids_base, stride_kind, mask_base, bias_base, stride_bt, stride_bs,
+        window_left, window_right, window2_left, window2_right, T, S, SCALE, SOFT_CAP, D,
+        DV, BD, BDV, BK, False, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK,
+        CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP,
+        DOT_PRECISION, EVEN_S, False)
 
-    # A row that saw no key (and has no sink) has l = 0: its output is 0 and its lse +inf, so that
-    # the backward's p = exp2(s - lse) is 0 for it. A row that saw a NaN logit has l = NaN: its
-    # lse stays NaN, so that the backward's p is NaN for it wherever it sees, as autodiff's.
+    # A row that saw no key (and has no sink) has l = 0: its output is 0 and its lse +inf,
+    # so that the backward's p = exp2(s - lse) is 0 for it. A row that saw a NaN logit has
+    # l = NaN: its lse stays NaN, so that the backward's p is NaN for it wherever it sees,
+    # as autodiff's.
     empty = l_i == 0.0
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
@@ -423,21 +437,24 @@ def _attention_fwd_kernel(
 
 
 @triton.jit
-def _bwd_tile(q, k, v, do, lse, delta, offs_m, offs_n, q_seg, q_pos, ids_base, stride_kind,
-              mask_base, bias_base, stride_bt, stride_bs, window_left, window_right, window2_left,
-              window2_right, T, S, SCALE: tl.constexpr, SOFT_CAP: tl.constexpr,
-              MASKED: tl.constexpr, HAS_SEGMENTS: tl.constexpr, IS_CAUSAL: tl.constexpr,
-              HAS_WINDOW: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr, CLAUSE2: tl.constexpr,
-              HAS_SEGMENTS2: tl.constexpr, IS_CAUSAL2: tl.constexpr, HAS_WINDOW2: tl.constexpr,
-              HAS_BIAS: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+def _bwd_tile(q, k, v, do, lse, delta, offs_m, offs_n, q_seg, q_pos, ids_base,
+              stride_kind, mask_base, bias_base, stride_bt, stride_bs, window_left,
+              window_right, window2_left, window2_right, T, S, SCALE: tl.constexpr,
+              SOFT_CAP: tl.constexpr, MASKED: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
+              IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+              HAS_TOKEN_MASK: tl.constexpr, CLAUSE2: tl.constexpr,
+              HAS_SEGMENTS2: tl.constexpr, IS_CAUSAL2: tl.constexpr,
+              HAS_WINDOW2: tl.constexpr, HAS_BIAS: tl.constexpr,
+              USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
               EVEN_S: tl.constexpr):
-    """One tile of the backward: ``p``, ``ds`` = dL/d(final logit), and the same before the cap."""
-    s, t = _logits(q, k, offs_m, offs_n, bias_base, stride_bt, stride_bs, SCALE, SOFT_CAP, T, S,
-                   USE_SOFTCAP, HAS_BIAS, DOT_PRECISION)
+    """One tile of the backward: ``p``, ``ds`` = dL/d(final logit), and the same before
+    the cap."""
+    s, t = _logits(q, k, offs_m, offs_n, bias_base, stride_bt, stride_bs, SCALE, SOFT_CAP,
+                   T, S, USE_SOFTCAP, HAS_BIAS, DOT_PRECISION)
     visible = _visible(offs_m, offs_n, q_seg, q_pos, ids_base, stride_kind, mask_base,
-                       window_left, window_right, window2_left, window2_right, T, S, MASKED,
-                       HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2, HAS_SEGMENTS2,
-                       IS_CAUSAL2, HAS_WINDOW2)
+                       window_left, window_right, window2_left, window2_right, T, S,
+                       MASKED, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK,
+                       CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2)
     p = tl.exp2(s - lse[:, None])
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
     ds = p * (dp - delta[:, None])  # dL/d(logit after the soft cap): also dL/dbias
@@ -446,8 +463,8 @@ def _bwd_tile(q, k, v, do, lse, delta, offs_m, offs_n, q_seg, q_pos, ids_base, s
     else:
         d_raw = ds
     if MASKED or not EVEN_S:  # full tiles of an even length: every pair is visible
-        # Selected, never multiplied by a zero p: a NaN of an invisible key (in dp, t) or of a
-        # row's lse or delta must not reach the keys and rows that cannot see it.
+        # Selected, never multiplied by a zero p: a NaN of an invisible key (in dp, t) or
+        # of a row's lse or delta must not reach the keys and rows that cannot see it.
         p = tl.where(visible, p, 0.0)
         ds = tl.where(visible, ds, 0.0)
         if USE_SOFTCAP:
@@ -555,15 +572,16 @@ def _attention_dkv_kernel(
     t_partial_count_ptr, t_partial_index_ptr, t_full_count_ptr, t_full_index_ptr,
     # scalars
     window_left, window_right, window2_left, window2_right, T, S, n_q_blocks, n_kv_blocks,
-    stride_ids_b, stride_kind, stride_mask_b, stride_mask_h, stride_bb, stride_bh, stride_bt,
-    stride_bs, stride_bm_b, stride_bm_h,
+    stride_ids_b, stride_kind, stride_mask_b, stride_mask_h, stride_bb, stride_bh,
+    stride_bt, stride_bs, stride_bm_b, stride_bm_h,
     # outputs
     dk_ptr, dv_ptr,
     # shapes and features
     SCALE: tl.constexpr, SOFT_CAP: tl.constexpr, H: tl.constexpr, G: tl.constexpr,
-    D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BQ: tl.constexpr,
-    BK: tl.constexpr, HAS_SEGMENTS: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr, CLAUSE2: tl.constexpr,
+    D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+    BQ: tl.constexpr, BK: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr,
+    CLAUSE2: tl.constexpr,
     HAS_SEGMENTS2: tl.constexpr, IS_CAUSAL2: tl.constexpr, HAS_WINDOW2: tl.constexpr,
     HAS_BIAS: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     EVEN_S: tl.constexpr, OPTIMISTIC: tl.constexpr,
@@ -583,30 +601,33 @@ def _attention_dkv_kernel(
                 mask=in_kv[:, None] & (offs_dv < DV)[None, :], other=0.0)
     ids_base = ids_ptr + i_b * stride_ids_b
     # Optimistically, then once more with NaN contained if dK shows a NaN or an inf (see
-    # _any_not_finite). All query heads again, from zero: a copy of dK kept for a rerun of one
-    # head's partial tiles held registers and cost 5 % of a forward + backward (H100).
+    # _any_not_finite). All query heads again, from zero: a copy of dK kept for a rerun of
+    # one head's partial tiles held registers and cost 5 % of a forward + backward (H100).
     dk, dv = _dkv_heads(
-        k, v, offs_n, i_b, i_kvh, i_n, q_ptr, do_ptr, lse_ptr, delta_ptr, ids_base, token_mask_ptr,
-        bias_ptr, t_partial_count_ptr, t_partial_index_ptr, t_full_count_ptr, t_full_index_ptr,
-        window_left, window_right, window2_left, window2_right, T, S, n_q_blocks, n_kv_blocks,
-        stride_kind, stride_mask_b, stride_mask_h, stride_bb, stride_bh, stride_bt, stride_bs,
-        stride_bm_b, stride_bm_h, SCALE, SOFT_CAP, H, G, D, DV, BD, BDV, BQ, BK, HAS_SEGMENTS,
-        IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2,
-        HAS_BIAS, USE_SOFTCAP, DOT_PRECISION, EVEN_S, not OPTIMISTIC)
+        k, v, offs_n, i_b, i_kvh, i_n, q_ptr, do_ptr, lse_ptr, delta_ptr, ids_base,
+        token_mask_ptr, bias_ptr, t_partial_count_ptr, t_partial_index_ptr,
+        t_full_count_ptr, t_full_index_ptr, window_left, window_right, window2_left,
+        window2_right, T, S, n_q_blocks, n_kv_blocks, stride_kind, stride_mask_b,
+        stride_mask_h, stride_bb, stride_bh, stride_bt, stride_bs, stride_bm_b,
+        stride_bm_h, SCALE, SOFT_CAP, H, G, D, DV, BD, BDV, BQ, BK, HAS_SEGMENTS,
+        IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2,
+        HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP, DOT_PRECISION, EVEN_S, not OPTIMISTIC)
     if OPTIMISTIC:  # a constexpr: float32 ran its tiles with SAFE already
         if _any_not_finite(dk):  # rare
             dk, dv = _dkv_heads(
-                k, v, offs_n, i_b, i_kvh, i_n, q_ptr, do_ptr, lse_ptr, delta_ptr, ids_base,
-                token_mask_ptr, bias_ptr, t_partial_count_ptr, t_partial_index_ptr,
-                t_full_count_ptr, t_full_index_ptr, window_left, window_right, window2_left,
-                window2_right, T, S, n_q_blocks, n_kv_blocks, stride_kind, stride_mask_b,
-                stride_mask_h, stride_bb, stride_bh, stride_bt, stride_bs, stride_bm_b, stride_bm_h,
-                SCALE, SOFT_CAP, H, G, D, DV, BD, BDV, BQ, BK, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW,
-                HAS_TOKEN_MASK, CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2, HAS_BIAS,
-                USE_SOFTCAP, DOT_PRECISION, EVEN_S, True)
+                k, v, offs_n, i_b, i_kvh, i_n, q_ptr, do_ptr, lse_ptr, delta_ptr,
+                ids_base, token_mask_ptr, bias_ptr, t_partial_count_ptr,
+                t_partial_index_ptr, t_full_count_ptr, t_full_index_ptr, window_left,
+                window_right, window2_left, window2_right, T, S, n_q_blocks, n_kv_blocks,
+                stride_kind, stride_mask_b, stride_mask_h, stride_bb, stride_bh,
+                stride_bt, stride_bs, stride_bm_b, stride_bm_h, SCALE, SOFT_CAP, H, G, D,
+                DV, BD, BDV, BQ, BK, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK,
+                CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP,
+                DOT_PRECISION, EVEN_S, True)
     kv_rows = in_kv[:, None]
     tl.store(dk_ptr + i_bkv64 * S * D + offs_n[:, None] * D + offs_d[None, :],
-             (dk * SCALE).to(dk_ptr.dtype.element_ty), mask=kv_rows & (offs_d < D)[None, :])
+             (dk * SCALE).to(dk_ptr.dtype.element_ty),
+             mask=kv_rows & (offs_d < D)[None, :])
     tl.store(dv_ptr + i_bkv64 * S * DV + offs_n[:, None] * DV + offs_dv[None, :],
              dv.to(dv_ptr.dtype.element_ty), mask=kv_rows & (offs_dv < DV)[None, :])
 
@@ -1236,7 +1257,8 @@ def _run(static: _Static, layout_block, combine, query, key, value, softmax_aux,
         if prebuilt is not None:
             mask = prebuilt.with_blocks(blocks.block_q, blocks.block_kv)
             return mask if extra is None else restrict(mask, extra, rule)
-        return build_block_mask(rule, layout, layout_block, combine, T, S, blocks.block_q, blocks.block_kv)
+        return build_block_mask(rule, layout, layout_block, combine, T, S, blocks.block_q,
+                                blocks.block_kv)
 
     masks = {}  # one mask per distinct tile shape (the backward's kernels may use other sizes)
     for blocks in (static.fwd, static.dkv, static.dq):
