@@ -108,7 +108,7 @@ def show_code(obj: Any, *, width: int | None = PAGE_WIDTH) -> None:
     Lines are never re-wrapped: one wider than ``width`` characters (the page's) is a
     ``ValueError`` (``width=None`` allows any)."""
     text = source_of(obj, "obj")
-    _display_code(_fits(text, width, getattr(obj, "__name__", "obj")), "python")
+    _display_code(_fits(text, width, _label(obj, "obj")), "python")
 
 
 def _label(obj: Any, default: str) -> str:
