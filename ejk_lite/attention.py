@@ -355,9 +355,9 @@ def _attention_fwd_kernel(
     D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
     BQ: tl.constexpr, BK: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr,
-    CLAUSE2: tl.constexpr,
-    HAS_SEGMENTS2: tl.constexpr, IS_CAUSAL2: tl.constexpr, HAS_WINDOW2: tl.constexpr,
-    HAS_BIAS: tl.constexpr, USE_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+    CLAUSE2: tl.constexpr, HAS_SEGMENTS2: tl.constexpr, IS_CAUSAL2: tl.constexpr,
+    HAS_WINDOW2: tl.constexpr, HAS_BIAS: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, EVEN_S: tl.constexpr, OPTIMISTIC: tl.constexpr,
 ):
     # Query blocks in reverse order: under a causal mask the last blocks have the most
