@@ -95,11 +95,13 @@ if ejk_lite.ON_GPU and hasattr(ejk_lite.launch, "_import_jax_triton"):
 from common import (  # noqa: E402
     ceilings,
     event_samples_ms,
+    matmul_tflops,
     parse_args,
     print_table,
     row,
     spread,
     time_stats_ms,
+    wall_ms,
     write_result,
 )
 from ejk_lite.attention import BlockSizes, reference  # noqa: E402
@@ -978,12 +980,9 @@ def time_issue8_build(cfg, samples) -> dict[str, Any]:
 
 
 def measure_matmul(quick: bool) -> float:
-    """bf16 matmul TFLOP/s through XLA (8192^3 on the GPU): the compute ceiling beside the figures."""
-    n = 256 if quick else 8192
-    a = jax.random.normal(jax.random.key(0), (n, n), DTYPE)
-    f = jax.jit(lambda x, y: x @ y)
-    st = time_stats_ms(lambda: f(a, a), 10 if not quick else 3)
-    return 2 * n ** 3 / (st["median_ms"] * 1e-3) / 1e12
+    """bf16 matmul TFLOP/s (8192^3 on the GPU, the best of several XLA products, each recorded
+    with the results: common.matmul_tflops): the compute ceiling beside the figures."""
+    return matmul_tflops(256 if quick else 8192, timer=None if ejk_lite.ON_GPU else wall_ms)
 
 
 def peer_versions(torch_bundle) -> dict[str, str]:

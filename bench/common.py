@@ -29,6 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import ejk_lite  # before triton: without a GPU it selects the interpreter
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 
 def parse_args(description: str, extra: Callable[[argparse.ArgumentParser], None] | None = None
@@ -164,12 +166,83 @@ def dispatch_overhead_ms() -> float:
     return median_ms(lambda: f(x))
 
 
+@triton.jit
+def _copy_kernel(x_ptr, n, y_ptr, BLOCK: tl.constexpr):
+    """y = x, BLOCK elements a program: the plainest streaming kernel, one of the copy ceilings."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
+
+
+# What the last ceilings() measured, method by method; write_result records it with every file.
+CEILINGS: dict[str, Any] = {}
+
+
+def copy_methods_gbs(n_bytes: int = 1 << 30, timer: Callable[[Callable[[], Any]], float] | None = None
+                     ) -> dict[str, float]:
+    """Read + write bandwidth of ``n_bytes`` of bf16 moved by several methods, GB/s each: an XLA
+    elementwise op (``a * 1.5``), XLA's copy of an array (``jnp.copy`` under ``jit``, a
+    device-to-device copy) and a Triton copy kernel at two block sizes. Each method's result is
+    checked exactly first (a method that moved nothing would look fast)."""
+    from ejk_lite.launch import triton_call
+
+    timer = timer or median_ms
+    n = n_bytes // 2
+    x = jax.random.normal(jax.random.key(0), (n,), jnp.bfloat16)
+    scaled = (np.asarray(x, np.float32) * 1.5).astype(jnp.bfloat16)  # exact: 1.5 x rounds once
+
+    def triton_copy(block):
+        return jax.jit(lambda a: triton_call(a, n, kernel=_copy_kernel, grid=(-(-n // block),),
+                                             out_shape=jax.ShapeDtypeStruct(a.shape, a.dtype),
+                                             BLOCK=block))
+
+    methods = {"xla a * 1.5": (jax.jit(lambda a: a * 1.5), scaled),
+               "xla jnp.copy": (jax.jit(jnp.copy), np.asarray(x)),
+               "triton copy, 1024 a program": (triton_copy(1024), np.asarray(x)),
+               "triton copy, 8192 a program": (triton_copy(8192), np.asarray(x))}
+    found = {}
+    for name, (fn, want) in methods.items():
+        if not np.array_equal(np.asarray(fn(x)), want):
+            raise RuntimeError(f"copy ceiling: {name} did not give the expected result")
+        found[name] = 2 * n_bytes / (timer(lambda: fn(x)) * 1e-3) / 1e9
+        if found[name] > 20_000:  # no memory moves 20 TB/s: the result was aliased, not copied
+            raise RuntimeError(f"copy ceiling: {name} at {found[name]:.0f} GB/s moved nothing")
+    return found
+
+
 def copy_bandwidth_gbs(n_bytes: int = 1 << 30) -> float:
-    """Measured device-memory bandwidth: an XLA elementwise op over ``n_bytes``, read + written."""
-    x = jax.random.normal(jax.random.key(0), (n_bytes // 2,), jnp.bfloat16)
-    f = jax.jit(lambda a: a * 1.5)
-    ms = median_ms(lambda: f(x))
-    return 2 * n_bytes / (ms * 1e-3) / 1e9
+    """Measured device-memory bandwidth: the best of :func:`copy_methods_gbs` over ``n_bytes``
+    (all recorded in ``CEILINGS``)."""
+    methods = copy_methods_gbs(n_bytes)
+    CEILINGS["copy_gbs_by_method"] = methods
+    CEILINGS["copy_bytes"] = n_bytes
+    return max(methods.values())
+
+
+def matmul_tflops(n: int = 8192, timer: Callable[[Callable[[], Any]], float] | None = None
+                  ) -> float:
+    """bf16 matrix-product TFLOP/s, the best of XLA's ``n x n @ n x n`` with a bf16 and with a
+    float32 result (``preferred_element_type``), and ``n x n @ n x 2n``; recorded in ``CEILINGS``
+    method by method. Each product is checked on one row against NumPy first."""
+    timer = timer or median_ms
+    ka, kb = jax.random.split(jax.random.key(1))
+    a = jax.random.normal(ka, (n, n), jnp.bfloat16)
+    b = jax.random.normal(kb, (n, 2 * n), jnp.bfloat16)
+    b_square = b[:, :n]
+    methods = {
+        f"xla {n}^3, bf16 out": (jax.jit(lambda x, y: x @ y), (a, b_square), 2 * n ** 3),
+        f"xla {n}^3, f32 out": (jax.jit(lambda x, y: jnp.matmul(
+            x, y, preferred_element_type=jnp.float32)), (a, b_square), 2 * n ** 3),
+        f"xla {n} x {n} x {2 * n}, bf16 out": (jax.jit(lambda x, y: x @ y), (a, b), 4 * n ** 3),
+    }
+    found = {}
+    for name, (fn, args, flops) in methods.items():
+        got = np.asarray(fn(*args)[0], np.float64)
+        want = np.asarray(args[0][0], np.float64) @ np.asarray(args[1], np.float64)
+        if not np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want):
+            raise RuntimeError(f"matmul ceiling: {name} gave a wrong row")
+        found[name] = flops / (timer(lambda: fn(*args)) * 1e-3) / 1e12
+    CEILINGS["matmul_bf16_tflops_by_method"] = found
+    return max(found.values())
 
 
 def wall_ms(fn: Callable[[], Any], reps: int = 3) -> float:
@@ -189,13 +262,14 @@ def time_ms(fn: Callable[[], Any]) -> float:
 
 
 def ceilings() -> tuple[float, float]:
-    """(copy bandwidth in GB/s, dispatch overhead in ms): measured on the GPU; rough on a CPU."""
+    """(copy bandwidth in GB/s, dispatch overhead in ms): measured on the GPU (1 GiB, the best of
+    several methods, each recorded in ``CEILINGS``); rough on a CPU (1 MiB, the wall clock)."""
     if ejk_lite.ON_GPU:
         return copy_bandwidth_gbs(), dispatch_overhead_ms()
-    x = jnp.ones((1 << 20,), jnp.bfloat16)
-    copy = jax.jit(lambda a: a * 1.5)
+    methods = copy_methods_gbs(1 << 20, timer=wall_ms)
+    CEILINGS.update(copy_gbs_by_method=methods, copy_bytes=1 << 20)
     nothing = jax.jit(lambda a: a + 1)
-    return 2 * x.nbytes / (wall_ms(lambda: copy(x)) * 1e-3) / 1e9, wall_ms(lambda: nothing(jnp.ones((8,))))
+    return max(methods.values()), wall_ms(lambda: nothing(jnp.ones((8,))))
 
 
 def _to_float64(x: Any) -> np.ndarray:
@@ -250,6 +324,7 @@ def write_result(out_dir: str, op: str, payload: dict[str, Any]) -> Path:
         "date": datetime.date.today().isoformat(),
         "versions": versions(),
         "command": " ".join(sys.argv),
+        **({"ceilings": dict(CEILINGS)} if CEILINGS else {}),
         **payload,
     }
     path = Path(out_dir) / f"{op}.json"
