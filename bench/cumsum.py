@@ -41,13 +41,14 @@ from common import (  # noqa: E402
     print_table,
     relative_error,
     row,
-    time_ms,
+    time_stats_ms,
     write_result,
 )
 from ejk_lite import chunk_global_cumsum, chunk_local_cumsum  # noqa: E402
 
 CHUNK = 64
 TOLERANCE = {"float32": 1e-5, "bfloat16": 1.6e-2}  # as tests/conftest.py, against float64
+SAMPLES = 10  # min / median / max over this many samples (common.time_stats_ms)
 
 
 
@@ -106,8 +107,11 @@ def main() -> None:
                 for direction, run in (("fwd", lambda: forward(x)), ("bwd", lambda: backward(x, w))):
                     err = relative_error(run(), expected[direction])
                     name = f"{op}{CHUNK if op == 'local' else ''} {kind} {list(shape)}"
-                    r = row(name, impl, direction, list(shape), dtype, time_ms(run), bytes_moved=moved,
-                            copy_gbs=copy_gbs, rel_err=err, op=op, ok=bool(err < TOLERANCE[dtype]))
+                    st = time_stats_ms(run, SAMPLES)
+                    r = row(name, impl, direction, list(shape), dtype, st["median_ms"], bytes_moved=moved,
+                            copy_gbs=copy_gbs, rel_err=err, op=op, ok=bool(err < TOLERANCE[dtype]),
+                            min_ms=st["min_ms"], max_ms=st["max_ms"], samples=st["samples"],
+                            calls_per_sample=st["calls_per_sample"])
                     rows.append(r)
                     print(f"{name:32s} {impl:6s} {direction} {dtype:8s} {r['median_ms']:8.4f} ms "
                           f"{r['gbs']:7.0f} GB/s ({r['pct_of_copy']:3.0f}% of copy)  rel err {err:.1e}", flush=True)

@@ -31,11 +31,13 @@ if ejk_lite.ON_GPU:
     ejk_lite.launch._import_jax_triton()
 from common import (  # noqa: E402
     ceilings,
+    event_samples_ms,
     parse_args,
     print_table,
     relative_error,
     row,
-    time_ms,
+    spread,
+    time_stats_ms,
     wall_ms,
     write_result,
 )
@@ -49,6 +51,8 @@ SHAPES = [dict(batch=4, seq_len=4096, heads=16, dim=128), dict(batch=1, seq_len=
 QUICK_SHAPES = [dict(batch=1, seq_len=24, heads=2, dim=16)]
 SCAN_MAX_SEQ_LEN = {"fwd": 8192, "fwd+bwd": 2048}  # longest sequence the scan is timed on
 CHECK_SEQ_LEN = 1024  # prefix checked against the fp32 reference
+SAMPLES = 10
+TOL = {"fwd": 2e-2, "fwd+bwd": 4e-2}  # relative L2 of bf16 results, as bench/chunked.py
 
 
 def make_inputs(key, batch, seq_len, heads, dim, gated):
@@ -107,9 +111,8 @@ def to_torch(torch, x):
 
 
 def run_fla(fla, inputs, d_o):
-    """fla's outputs and gradients on our inputs, and its forward / forward + backward times."""
-    import triton.testing
-
+    """fla's outputs and gradients on our inputs, and its forward / forward + backward times
+    (min / median / max over ``SAMPLES``, CUDA events)."""
     torch, simple_gla, gla = fla
     tensors = {name: to_torch(torch, x) for name, x in inputs.items()}
     d_o_t = to_torch(torch, d_o)
@@ -121,7 +124,7 @@ def run_fla(fla, inputs, d_o):
 
     with torch.no_grad():
         o = call(tensors)
-        fwd_ms = triton.testing.do_bench(lambda: call(tensors), warmup=50, rep=300, return_mode="median")
+        fwd_ms = spread(event_samples_ms(lambda: call(tensors), SAMPLES))
     leaves = {name: t.detach().requires_grad_(True) for name, t in tensors.items()}
 
     def forward_backward():
@@ -129,13 +132,13 @@ def run_fla(fla, inputs, d_o):
 
     forward_backward()
     grads = {name: t.grad.clone() for name, t in leaves.items()}
-    fwd_bwd_ms = triton.testing.do_bench(forward_backward, warmup=50, rep=300, return_mode="median",
-                                         grad_to_none=list(leaves.values()))
+    fwd_bwd_ms = spread(event_samples_ms(forward_backward, SAMPLES,
+                                         grad_to_none=list(leaves.values())))
 
     def back(t):
         return jnp.asarray(t.detach().float().cpu().numpy())
 
-    return back(o), {name: back(g) for name, g in grads.items()}, float(fwd_ms), float(fwd_bwd_ms)
+    return back(o), {name: back(g) for name, g in grads.items()}, fwd_ms, fwd_bwd_ms
 
 
 # ----------------------------------------------------------------------------------------------
@@ -148,7 +151,7 @@ def main():
     scan_max = {"fwd": 16, "fwd+bwd": 12} if args.quick else SCAN_MAX_SEQ_LEN
     fla, fla_missing = load_fla() if ejk_lite.ON_GPU else (None, "no GPU")
     copy_gbs, dispatch_ms = ceilings()
-    rows, summary = [], {}
+    rows, summary, failures = [], {}, []
     for shape in shapes:
         for gated in (False, True):
             b, t, h, d = shape["batch"], shape["seq_len"], shape["heads"], shape["dim"]
@@ -171,7 +174,9 @@ def main():
                    "fwd+bwd": max(relative_error(ours_grads[n], ref_grads[n]) for n in short)}
 
             fwd, fwd_bwd = forward_fn(recurrent), forward_backward_fn(recurrent)
-            ours = {"fwd": time_ms(lambda: fwd(inputs)), "fwd+bwd": time_ms(lambda: fwd_bwd(inputs, d_o))}
+            ours_stats = {"fwd": time_stats_ms(lambda: fwd(inputs), SAMPLES),
+                          "fwd+bwd": time_stats_ms(lambda: fwd_bwd(inputs, d_o), SAMPLES)}
+            ours = {k: st["median_ms"] for k, st in ours_stats.items()}
 
             # The scan, at full length or on a prefix, scaled to the full length.
             scan = {}
@@ -186,7 +191,8 @@ def main():
             if fla is not None:
                 fla_o, fla_grads, fla_fwd, fla_fwd_bwd = run_fla(fla, inputs, d_o)
                 our_grads, our_o = fwd_bwd(inputs, d_o)
-                fla_result = dict(ms={"fwd": fla_fwd, "fwd+bwd": fla_fwd_bwd},
+                fla_result = dict(stats={"fwd": fla_fwd, "fwd+bwd": fla_fwd_bwd},
+                                  ms={"fwd": fla_fwd["median_ms"], "fwd+bwd": fla_fwd_bwd["median_ms"]},
                                   err={"fwd": relative_error(our_o, fla_o),
                                        "fwd+bwd": {n: relative_error(our_grads[n], fla_grads[n]) for n in inputs}})
 
@@ -194,15 +200,25 @@ def main():
                 common = dict(shape=dims, dtype="bfloat16", bytes_moved=bytes_moved[direction],
                               flops=flops[direction], copy_gbs=copy_gbs)
                 extra = {"speedup_vs_scan": scan[direction][0] / ours[direction]}
+                checked = {"reference": err[direction]}
                 if fla_result is not None:
                     extra["speedup_vs_fla"] = fla_result["ms"][direction] / ours[direction]
                     extra["rel_err_vs_fla"] = fla_result["err"][direction]
+                    vs_fla = fla_result["err"][direction]
+                    checked["fla"] = vs_fla if direction == "fwd" else max(vs_fla.values())
+                failures += [f"{name} {direction} vs {against}: rel_err {e:.3g} > {TOL[direction]}"
+                             for against, e in checked.items() if not e <= TOL[direction]]
+                st = ours_stats[direction]
                 rows.append(row(name, "triton", direction, median=ours[direction], rel_err=err[direction],
-                                **common, **extra))
+                                min_ms=st["min_ms"], max_ms=st["max_ms"], samples=st["samples"],
+                                calls_per_sample=st["calls_per_sample"], **common, **extra))
                 rows.append(row(name, "scan", direction, median=scan[direction][0], **common,
                                 timed_seq_len=scan[direction][1], scaled_to_seq_len=t))
                 if fla_result is not None:
-                    rows.append(row(name, "fla", direction, median=fla_result["ms"][direction], **common))
+                    st = fla_result["stats"][direction]
+                    rows.append(row(name, "fla", direction, median=st["median_ms"], min_ms=st["min_ms"],
+                                    max_ms=st["max_ms"], samples=st["samples"],
+                                    calls_per_sample=st["calls_per_sample"], **common))
                 summary[f"{name} {direction}"] = {k: round(v, 2) for k, v in extra.items() if k.startswith("speedup")}
             print(name, "done", flush=True)
 
@@ -211,9 +227,10 @@ def main():
         peer_fla="fla-core fused_recurrent_simple_gla (plain) / fused_recurrent_gla (gk)" if fla
         else f"not run: {fla_missing}",
         target="at least as fast as fla forward and fwd+bwd; >= 20x the lax.scan reference",
-        speedups=summary, rows=rows,
+        speedups=summary, tolerance=TOL, failures=failures, passed=not failures, rows=rows,
         notes=("bf16 inputs, fp32 state; gradients of sum(o * d_o) w.r.t. every input (final state "
-               "unused). triton and fla rows: triton.testing.do_bench medians. scan rows: wall clock, "
+               f"unused). triton and fla rows: min / median / max over {SAMPLES} samples, CUDA events, "
+               "L2 flushed before each (common.time_stats_ms, common.event_samples_ms). scan rows: wall clock, "
                "median of 3 after a warm-up, on timed_seq_len tokens, scaled linearly to seq_len (the "
                "scan is one loop iteration per token). triton rel_err: first "
                f"{check_len} tokens against the fp32 lax.scan reference on the same inputs (fwd: the output; "
@@ -225,6 +242,9 @@ def main():
     print(f"wrote {path}")
     print_table(rows, ["name", "impl", "direction", "median_ms", "gbs", "tflops", "rel_err", "speedup_vs_fla",
                        "speedup_vs_scan"])
+    if failures:
+        print(f"FAILED ({len(failures)}):", *failures, sep="\n  ", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":
