@@ -45,7 +45,7 @@
 #   block_mean_pooling(x, np.int64(8)) -> test_contract.py::test_numpy_scalars
 #   recurrent with K = 0 -> test_recurrent.py::test_empty_key_or_value_dimension
 # float32 cold start (H100: 22 s forward, 92 s gradient): a GPU measurement, no CPU test; recorded
-#   in bench/results/attention_fp32.json (tf32x3: 11.4 s + 19.1 s cold; the < 15 s goal of item 7
+#   in bench/results/attention_fp32.json (read the file for the figures: the < 15 s goal of item 7
 #   is not met there yet); tf32x3's accuracy: test_attention_fp32.py.
 # Three architectures (a review of the code, not of behaviour), the parts a test can check:
 #   `import ejk_lite.recurrent as m` gives the function
