@@ -247,7 +247,7 @@ def fla_peer(fla, form, gate, inputs, d_o, scale, samples, refused):
     return dict(o=o, grads=grads, ms=ms, name=PEER_BROADCAST)
 
 
-def run_shape(shape, ops, fla, samples, quick, copy_gbs, rows, summary, failures, refused):
+def run_shape(shape, ops, fla, samples, quick, copy_gbs, rows, failures, refused):
     """Both gates at one shape: ours against the float32 reference and fla's peers; rows appended."""
     b, t, h, d = shape["batch"], shape["seq_len"], shape["heads"], shape["dim"]
     h_kv = shape.get("kv_heads") or h
@@ -298,7 +298,6 @@ def run_shape(shape, ops, fla, samples, quick, copy_gbs, rows, summary, failures
                     extra["peer"] = peer["name"]
                     extra["rel_err_vs_fla"] = err_fla
                     extra["speedup_vs_fla"] = peer["ms"][direction]["median_ms"] / st["median_ms"]
-                    summary[f"{name} {impl} {direction}"] = round(extra["speedup_vs_fla"], 3)
                 worst = err_ref["out"] if direction == "fwd" else max(
                     e for n, e in err_ref.items() if n != "out")
                 rows.append(row(name, impl, direction, dims, "bfloat16", st["median_ms"],
@@ -356,7 +355,7 @@ def main():
     rows, refused, earlier = [], {}, []
     if args.merge:
         rows, refused, earlier = kept_rows(args.out, {shape_name(s) for s in shapes}, commit(), quick)
-    summary, failures = {}, []
+    failures = []
     if fla is None and ejk_lite.ON_GPU:
         failures.append(f"peer fla not run on the GPU: {fla_missing}")
 
@@ -393,7 +392,7 @@ def main():
         return write_result(args.out, OP, payload)
 
     for shape in shapes:
-        run_shape(shape, ops, fla, samples, quick, copy_gbs, rows, summary, failures, refused)
+        run_shape(shape, ops, fla, samples, quick, copy_gbs, rows, failures, refused)
         log(f"wrote {write()}")  # after every shape: a run cut short keeps what it finished
     print_table(rows, ["name", "impl", "direction", "median_ms", "min_ms", "max_ms", "gbs", "rel_err",
                        "speedup_vs_fla"])
