@@ -53,6 +53,7 @@ if ejk_lite.ON_GPU:
     ejk_lite.launch._import_jax_triton()
 from common import (  # noqa: E402
     ceilings,
+    device_name,
     event_samples_ms,
     parse_args,
     print_table,
@@ -229,8 +230,9 @@ def shape_name(shape: dict) -> str:
     return f"B{shape['batch']} T{shape['seq_len']} H{heads} K=V={shape['dim']}"
 
 
-def fla_peer(fla, form, gate, inputs, d_o, scale, samples, refused):
-    """fla's kernel racing ours of ``form`` on these inputs, or None where fla refuses it."""
+def fla_peer(fla, form, gate, inputs, d_o, scale, samples, refused, failures):
+    """fla's kernel racing ours of ``form`` on these inputs, or None where fla refuses it (then
+    the race is missing: a failure of the run)."""
     name = PEER[form, gate]
     try:
         o, grads, ms = run_fla(fla, form, gate, inputs, d_o, scale, samples)
@@ -242,12 +244,13 @@ def fla_peer(fla, form, gate, inputs, d_o, scale, samples, refused):
         refused[name] = f"{type(error).__name__}: {str(error)[:300]}"
         log(f"{name} refused: {refused[name]}")
         if (form, gate) != ("chunked", "g"):
+            failures.append(f"{name} refused and no stand-in: no race for our {form} ({gate})")
             return None
     o, grads, ms = run_fla(fla, form, gate, inputs, d_o, scale, samples, broadcast=True)
     return dict(o=o, grads=grads, ms=ms, name=PEER_BROADCAST)
 
 
-def run_shape(shape, ops, fla, samples, quick, copy_gbs, rows, failures, refused):
+def run_shape(index, shape, ops, fla, samples, quick, copy_gbs, rows, failures, refused):
     """Both gates at one shape: ours against the float32 reference and fla's peers; rows appended."""
     b, t, h, d = shape["batch"], shape["seq_len"], shape["heads"], shape["dim"]
     h_kv = shape.get("kv_heads") or h
@@ -255,7 +258,8 @@ def run_shape(shape, ops, fla, samples, quick, copy_gbs, rows, failures, refused
     check_len = t if quick else min(t, CHECK_SEQ_LEN)
     for gate in ("g", "gk"):
         name = f"{shape_name(shape)} {gate}"
-        inputs, d_o = make_inputs(len(rows), b, t, h, d, gate, shape.get("kv_heads"))
+        # Inputs seeded by the shape's index and the gate: the same with or without --merge.
+        inputs, d_o = make_inputs(2 * index + (gate == "gk"), b, t, h, d, gate, shape.get("kv_heads"))
         dims = [b, t, h, d]
         # Fewest bytes, bf16: q, k, v, the gate and o once (fwd); again with d_o and every
         # input's gradient (fwd+bwd).
@@ -273,7 +277,7 @@ def run_shape(shape, ops, fla, samples, quick, copy_gbs, rows, failures, refused
         for impl, op in ops.items():
             peer = None
             if fla is not None and h_kv == h:  # fla has no grouped key/value heads
-                peer = fla_peer(fla, impl, gate, inputs, d_o, scale, samples, refused)
+                peer = fla_peer(fla, impl, gate, inputs, d_o, scale, samples, refused, failures)
             fwd, fwd_bwd = forward_fn(op, scale), forward_backward_fn(op, scale)
             ours_o, ours_grads = fwd_bwd(short, short_d_o)
             err_ref = errors(ours_o, ours_grads, ref_o, ref_grads)
@@ -320,18 +324,24 @@ def run_shape(shape, ops, fla, samples, quick, copy_gbs, rows, failures, refused
 
 
 def kept_rows(out: str, run_names: set[str], this_commit: str | None, quick: bool
-              ) -> tuple[list, dict, list]:
-    """``--merge``: the rows (and fla's refusals) of the file in ``out`` for shapes this run does
-    not measure; refused unless that file was measured on the same commit (and device kind)."""
+              ) -> tuple[list, dict, list, list]:
+    """``--merge``: the rows, fla's refusals, commands and failures of the file in ``out`` for
+    shapes this run does not measure; refused unless that file was measured on the same commit
+    and the same device."""
     path = Path(out) / f"{OP}.json"
     if not path.exists():
-        return [], {}, []
+        return [], {}, [], []
     old = json.loads(path.read_text())
-    if old.get("commit") != this_commit or old.get("quick") != quick:
-        sys.exit(f"--merge: {path} was measured on {old.get('commit')} (quick={old.get('quick')}), "
-                 f"this run on {this_commit}: run every shape instead")
+    if (old.get("commit"), old.get("quick"), old.get("device")) != (this_commit, quick,
+                                                                     device_name()):
+        sys.exit(f"--merge: {path} was measured on {old.get('commit')} (quick={old.get('quick')}, "
+                 f"{old.get('device')}), this run on {this_commit} ({device_name()}): run every "
+                 "shape instead")
     rows = [r for r in old["rows"] if r["name"].rsplit(" ", 1)[0] not in run_names]
-    return rows, old.get("peers_refused", {}), old.get("commands", [old.get("command")])
+    failures = [f for f in old.get("failures", [])  # those of the shapes kept, and general ones
+                if not any(f.startswith(name + " ") for name in run_names)]
+    return (rows, old.get("peers_refused", {}), old.get("commands", [old.get("command")]),
+            failures)
 
 
 def main():
@@ -342,9 +352,9 @@ def main():
 
     args = parse_args(__doc__.splitlines()[0], extra)
     quick = args.quick
-    shapes = QUICK_SHAPES if quick else SHAPES
-    if args.shapes:
-        shapes = [shapes[int(i)] for i in args.shapes.split(",")]
+    every = QUICK_SHAPES if quick else SHAPES
+    picked = [int(i) for i in args.shapes.split(",")] if args.shapes else range(len(every))
+    shapes = [(i, every[i]) for i in picked]
     samples = QUICK_SAMPLES if quick else SAMPLES
     ops = dict(OURS)
     if quick:
@@ -354,8 +364,9 @@ def main():
     copy_gbs, dispatch_ms = ceilings()
     rows, refused, earlier = [], {}, []
     if args.merge:
-        rows, refused, earlier = kept_rows(args.out, {shape_name(s) for s in shapes}, commit(), quick)
-    failures = []
+        rows, refused, earlier, kept_failures = kept_rows(
+            args.out, {shape_name(s) for _, s in shapes}, commit(), quick)
+    failures = list(kept_failures) if args.merge else []
     if fla is None and ejk_lite.ON_GPU:
         failures.append(f"peer fla not run on the GPU: {fla_missing}")
 
@@ -391,8 +402,8 @@ def main():
         )
         return write_result(args.out, OP, payload)
 
-    for shape in shapes:
-        run_shape(shape, ops, fla, samples, quick, copy_gbs, rows, failures, refused)
+    for index, shape in shapes:
+        run_shape(index, shape, ops, fla, samples, quick, copy_gbs, rows, failures, refused)
         log(f"wrote {write()}")  # after every shape: a run cut short keeps what it finished
     print_table(rows, ["name", "impl", "direction", "median_ms", "min_ms", "max_ms", "gbs", "rel_err",
                        "speedup_vs_fla"])

@@ -129,6 +129,10 @@ def main() -> None:
         "chunk_size": CHUNK,
         "target": "triton >= 80% of copy bandwidth on the large shapes, and faster than XLA",
         "triton_speedup_over_xla": speedups,
+        "tolerance": TOLERANCE,
+        "failures": [f"{r['name']} {r['impl']} {r['direction']} {r['dtype']}: rel_err "
+                     f"{r['rel_err']:.3g}" for r in rows if not r["ok"]],
+        "passed": all(r["ok"] for r in rows),
         "rows": rows,
     })
     print(f"\nwrote {path}\n")

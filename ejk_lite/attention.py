@@ -175,14 +175,16 @@ def _any_not_finite(x):
     """Whether a tile holds a NaN or an inf.
 
     NaN containment: a NaN or an inf in v (forward), q (dK) or k (dQ) must not reach, as p = 0
-    times NaN, the rows that cannot see it. Each kernel runs its partial tiles optimistically,
-    without the selects that prevent that (``SAFE=False``), then checks its accumulator once: a
-    leak always shows there (0 times NaN is NaN), and without one the optimistic result is exact.
-    Only if it holds a NaN or an inf (a leak, or a true NaN of a row that sees one) are the tiles
-    run again with ``SAFE``, from the same start. H100, bf16 B4 H16 T8192 D128, same process,
-    medians in ms, documents mask, forward: the selects in every partial tile 1.469, with a
-    per-block flag computed by XLA 1.359, this 1.227-1.294, none at all 1.157-1.281 (run-to-run
-    spread). The price is a second copy of the partial-tile loop in each kernel (compile time)."""
+    times NaN, the rows that cannot see it. With 16-bit inputs (``OPTIMISTIC``, see
+    ``_optimistic``) each kernel runs its partial tiles without the selects that prevent that
+    (``SAFE=False``), then checks its accumulator once: a leak always shows there (0 times NaN
+    is NaN), and without one the optimistic result is exact. Only if it holds a NaN or an inf (a
+    leak, or a true NaN of a row that sees one) are the tiles run again with ``SAFE``, from the
+    same start. H100, bf16 B4 H16 T8192 D128, same process, medians in ms, documents mask,
+    forward: the selects in every partial tile 1.469, with a per-block flag computed by XLA
+    1.359, this 1.227-1.294, none at all 1.157-1.281 (run-to-run spread). The price is a second
+    copy of the partial-tile loop in each kernel (compile time). float32 runs them with ``SAFE``
+    from the start, and has no second copy."""
     return tl.max(tl.max(tl.where(_finite(x), 0, 1), 1), 0) > 0
 
 
@@ -405,7 +407,7 @@ def _attention_fwd_kernel(
         DV, BD, BDV, BK, True, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK,
         CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP,
         DOT_PRECISION, EVEN_S, not OPTIMISTIC)
-    if OPTIMISTIC:  # a constexpr: float32 ran its tiles with SAFE already
+    if OPTIMISTIC:  # a constexpr, 16-bit only: float32 ran SAFE above
         if _any_not_finite(acc):  # rare: contain it (see _any_not_finite)
             acc, m_i, l_i = _fwd_tiles(
                 acc0, m0, l0, q, offs_m, q_seg, q_pos, partial_list, n_partial,
@@ -600,9 +602,10 @@ def _attention_dkv_kernel(
     v = tl.load(v_ptr + i_bkv64 * S * DV + offs_n[:, None] * DV + offs_dv[None, :],
                 mask=in_kv[:, None] & (offs_dv < DV)[None, :], other=0.0)
     ids_base = ids_ptr + i_b * stride_ids_b
-    # Optimistically, then once more with NaN contained if dK shows a NaN or an inf (see
-    # _any_not_finite). All query heads again, from zero: a copy of dK kept for a rerun of
-    # one head's partial tiles held registers and cost 5 % of a forward + backward (H100).
+    # 16-bit: optimistically, then once more with NaN contained if dK shows a NaN or
+    # an inf (see _any_not_finite); float32: contained from the start. The rerun takes
+    # all query heads again, from zero: a copy of dK kept for a rerun of one head's
+    # partial tiles held registers and cost 5 % of a forward + backward (H100).
     dk, dv = _dkv_heads(
         k, v, offs_n, i_b, i_kvh, i_n, q_ptr, do_ptr, lse_ptr, delta_ptr, ids_base,
         token_mask_ptr, bias_ptr, t_partial_count_ptr, t_partial_index_ptr,
@@ -612,7 +615,7 @@ def _attention_dkv_kernel(
         stride_bm_h, SCALE, SOFT_CAP, H, G, D, DV, BD, BDV, BQ, BK, HAS_SEGMENTS,
         IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2,
         HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP, DOT_PRECISION, EVEN_S, not OPTIMISTIC)
-    if OPTIMISTIC:  # a constexpr: float32 ran its tiles with SAFE already
+    if OPTIMISTIC:  # a constexpr, 16-bit only: float32 ran SAFE above
         if _any_not_finite(dk):  # rare
             dk, dv = _dkv_heads(
                 k, v, offs_n, i_b, i_kvh, i_n, q_ptr, do_ptr, lse_ptr, delta_ptr,
@@ -714,7 +717,7 @@ def _attention_dq_kernel(
                    window2_right, T, S, SCALE, SOFT_CAP, D, DV, BD, BDV, BK, True, HAS_SEGMENTS,
                    IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2,
                    HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP, DOT_PRECISION, EVEN_S, not OPTIMISTIC)
-    if OPTIMISTIC:  # a constexpr: float32 ran its tiles with SAFE already
+    if OPTIMISTIC:  # a constexpr, 16-bit only: float32 ran SAFE above
         if _any_not_finite(dq):  # rare: contain it (see _any_not_finite)
             dq = _dq_tiles(
                 dq0, q, do, lse, delta, offs_m, q_seg, q_pos, partial_list, n_partial,
@@ -795,12 +798,14 @@ def _window(window: tuple[int, int] | None) -> list[int]:
 def _optimistic(dtype) -> bool:
     """Whether the kernels run their partial tiles first without NaN containment (see
     ``_any_not_finite``). Not in float32, whose three-pass TF32 dots make the selects cheap beside
-    them: one copy of the loop less to compile. H100, float32 B2 Hq16 Hkv4 T2000 D128 causal,
-    fresh processes, same run (attention_fp32's method): first forward + first gradient 35.0 s
-    optimistic, 25.0 s not (forward 11.6 -> 10.4 s, gradient 23.4 -> 14.7 s); warm forward 2.25
-    -> 2.36 ms, gradient 11.69 -> 11.38 ms. About 3.5 s of the first forward is an ``import
-    torch`` that Triton's CUDA driver makes when torch is installed. 8 warps and 1 stage would
-    cut the cold start to 20.9 s but slow the warm forward to 3.19 ms: not taken."""
+    them: one copy of the loop less to compile. A same-run probe, not a recorded benchmark (H100,
+    float32 B2 Hq16 Hkv4 T2000 D128 causal, each variant in a fresh process with an empty Triton
+    cache, attention_fp32's method): first forward + first gradient 35.0 s optimistic, 25.0 s not
+    (forward 11.6 -> 10.4 s, gradient 23.4 -> 14.7 s); warm forward 2.25 -> 2.36 ms, gradient
+    11.69 -> 11.38 ms; 8 warps and 1 stage 20.9 s cold but a 3.19 ms warm forward (not taken).
+    About 3.5 s of a first forward is an ``import torch`` that Triton's CUDA driver makes when
+    torch is installed. The recorded cold start, measured across machines as a fresh machine's
+    first process, is bench/results/attention_fp32.json's; it did not show the gain."""
     return jnp.dtype(dtype) != jnp.float32
 
 

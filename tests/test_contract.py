@@ -529,10 +529,13 @@ def assert_equal(got, want, what="", rtol=0.0):
     for i, (g, w) in enumerate(zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)):
         assert g.dtype == w.dtype, f"{what}[{i}]: {g.dtype} != {w.dtype}"
         g, w = np.asarray(g), np.asarray(w)
+        assert g.shape == w.shape, f"{what}[{i}]: {g.shape} != {w.shape}"
         if rtol == 0.0:
             np.testing.assert_array_equal(g, w, err_msg=f"{what}[{i}]")
-        else:
-            assert np.array_equal(np.isfinite(g), np.isfinite(w)), f"{what}[{i}]: non-finite"
+        else:  # the same non-finite values in the same places, then the norm-wise error
+            odd = ~np.isfinite(w)
+            assert np.array_equal(~np.isfinite(g), odd) and np.array_equal(
+                g[odd], w[odd], equal_nan=True), f"{what}[{i}]: non-finite values differ"
             g64, w64 = (np.where(np.isfinite(x), x, 0).astype(np.float64) for x in (g, w))
             err = np.linalg.norm(g64 - w64) / max(np.linalg.norm(w64), np.finfo(np.float64).tiny)
             assert err <= rtol, f"{what}[{i}]: relative error {err:.2e} > {rtol:.0e}"
