@@ -106,18 +106,6 @@ _MAX_GRID_YZ = 65535  # CUDA's limit on the 2nd and 3rd grid dimensions
 
 
 @triton.jit
-def _aligned(n, ALIGN: tl.constexpr):
-    """``n``, a multiple of ``ALIGN`` (the launch passes one that divides it), written so.
-
-    Shapes reach the kernels as runtime scalars, of which Triton knows nothing, not even that
-    they are even: addresses ``t * C + c`` could then start anywhere and every load reads one
-    element. ``(n // ALIGN) * ALIGN`` is ``n`` again, but known to be a multiple of ``ALIGN``:
-    rows start aligned and the loads are vectorized.
-    """
-    return (n // ALIGN) * ALIGN
-
-
-@triton.jit
 def _scan_span(
     x_ptr, out_ptr,  # this program's row: its element (t, c) is at offset t*C + c (or c*T + t)
     start, end,  # the segment: tokens start <= t < end
@@ -173,7 +161,6 @@ def chunk_local_cumsum_kernel(
     x_ptr, cu_seqlens_ptr, chunk_indices_ptr, T, C, num_seqs, scale, out_ptr,
     CHUNK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
     REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr, TOKENS_CONTIGUOUS: tl.constexpr,
-    ALIGN_T: tl.constexpr, ALIGN_C: tl.constexpr,
 ):
     """Grid ``(chunks, column tiles, rows)``: one program scans one chunk of one row's column tile.
 
@@ -182,7 +169,6 @@ def chunk_local_cumsum_kernel(
     when the chunk count was bounded from above, under ``jax.jit``) own no tokens.
     """
     i_chunk = tl.program_id(0)
-    T, C = _aligned(T, ALIGN_T), _aligned(C, ALIGN_C)
     row = tl.program_id(2).to(tl.int64) * T * C
     if IS_VARLEN:
         # Every index loaded from memory is clamped before it addresses anything (the launch
@@ -226,10 +212,8 @@ def chunk_global_cumsum_kernel(
     x_ptr, cu_seqlens_ptr, T, C, num_seqs, scale, out_ptr,
     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
     REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr, TOKENS_CONTIGUOUS: tl.constexpr,
-    ALIGN_T: tl.constexpr, ALIGN_C: tl.constexpr,
 ):
     """Grid ``(sequences, column tiles, rows)``: one program scans one whole sequence."""
-    T, C = _aligned(T, ALIGN_T), _aligned(C, ALIGN_C)
     row = tl.program_id(2).to(tl.int64) * T * C
     if IS_VARLEN:
         seq = tl.program_id(0)
@@ -297,11 +281,6 @@ def _kernel_view(x: jax.Array, head_first: bool) -> tuple[jax.Array, int, int, i
     return x.reshape(B, T, C), B, T, C, False
 
 
-def _alignment(n: int) -> int:
-    """The largest power of two <= 16 that divides ``n`` (a kernel's shape, passed as a hint)."""
-    return min(n & -n, 16) if n > 0 else 16
-
-
 def _launch(x, cu_seqlens, chunk_size, reverse, scale, head_first, out_dtype, config=None):
     """Run the local kernel (``chunk_size`` given) or the global one (``None``) on ``x``.
 
@@ -336,7 +315,6 @@ def _launch_rows(x, cu_seqlens, *, chunk_size, reverse, scale, head_first, out_d
     common = dict(
         out_shape=jax.ShapeDtypeStruct(view.shape, out_dtype),
         REVERSE=bool(reverse), IS_VARLEN=varlen, TOKENS_CONTIGUOUS=tokens_contiguous,
-        ALIGN_T=_alignment(T), ALIGN_C=_alignment(C),
     )
     pinned = {} if config is None else dict(BLOCK_C=config.block_c, num_warps=config.num_warps,
                                             num_stages=config.num_stages)
