@@ -139,9 +139,10 @@ def time_stats_ms(fn: Callable[[], Any], samples: int = 10, warmup: int = 3,
     seen the last call finish: tens of microseconds a sample, which a sample of 10 ms spreads
     thin. Measured in one process on the H100 (e8687f1), medians at 1 ms / at 10 ms a sample:
     padded mean pooling 0.378 / 0.210 ms, cumsum of [4, 4096, 16, 128] float32 0.368 / 0.120
-    ms; the 10 ms figures agree with ``do_bench`` of 8 calls (0.224, 0.124). The L2 cache is flushed before each sample, so inputs smaller than it (50 MB on the H100) stay
-    cached from the second call of a sample on. Without a GPU, the wall clock of single calls
-    (which only shows that the script runs).
+    ms; the 10 ms figures agree with ``do_bench`` of 8 calls (0.224, 0.124). The L2 cache is
+    flushed before each sample, so inputs smaller than it (50 MB on the H100) stay cached from
+    the second call of a sample on. Without a GPU, the wall clock of single calls (which only
+    shows that the script runs).
     """
     jax.block_until_ready(fn())  # compile outside the measurement
     if not ejk_lite.ON_GPU:
