@@ -166,6 +166,48 @@ def time_stats_ms(fn: Callable[[], Any], samples: int = 10, warmup: int = 3,
     return spread(event_samples_ms(run, samples, warmup), calls)
 
 
+def device_samples_ms(run: Callable[[], Any], samples: int = 10, warmup: int = 3,
+                      calls: int = 5) -> tuple[list[float], dict[str, Any]]:
+    """``samples`` device times of one call of ``run``, in ms, from the profiler: the durations
+    of the kernels and copies the GPU ran while ``run()`` was called ``calls`` times, summed and
+    divided by ``calls``. ``run`` must leave its work finished (a JAX function ends in
+    ``block_until_ready()``; a torch one in ``torch.cuda.synchronize()``).
+
+    What events time, the host does too (dispatch, the wait for the result); this counts only
+    the GPU's busy time, the same way for every implementation, JAX or torch. Returns the
+    samples and what the last sample ran: how many kernels a call, the longest few by name.
+    """
+    import tempfile
+
+    for _ in range(warmup):
+        run()
+    times, seen = [], {}
+    for _ in range(samples):
+        with tempfile.TemporaryDirectory() as folder:
+            jax.profiler.start_trace(folder)
+            for _ in range(calls):
+                run()
+            jax.profiler.stop_trace()
+            (path,) = Path(folder).rglob("*.xplane.pb")
+            data = jax.profiler.ProfileData.from_file(str(path))
+        busy, seen = 0, {}
+        for plane in data.planes:
+            if not plane.name.startswith("/device:GPU"):
+                continue
+            for line in plane.lines:
+                if not line.name.startswith("Stream"):  # the per-stream lines hold the work
+                    continue
+                for event in line.events:
+                    busy += event.duration_ns
+                    seen[event.name] = seen.get(event.name, 0) + event.duration_ns
+        if busy == 0:
+            raise RuntimeError("the profiler saw no GPU work: nothing to time")
+        times.append(busy / calls / 1e6)
+    longest = sorted(seen.items(), key=lambda kv: -kv[1])[:4]
+    return times, {"events_per_call": None, "longest": [[n[:80], round(t / calls / 1e6, 4)]
+                                                         for n, t in longest]}
+
+
 def dispatch_overhead_ms() -> float:
     """Median time of a jitted function that does almost nothing: the floor under every figure."""
     x = jnp.ones((8,), jnp.float32)
