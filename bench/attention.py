@@ -50,8 +50,8 @@ causal + window 1024 at B=8, T=S=32768, 128 x 128 (``mask_build``), FlexAttentio
 ``create_block_mask`` time for its masks, and ``window_sweep``: ours' forward at B4 H16 T8192 for
 windows 512 ... 4096 and causal, against the number of visited blocks (time should follow them).
 
-Timing: CUDA events, >= 10 samples, each after an L2 flush; min / median / max per figure
-(``common.time_stats_ms``); compilation and autotuning happen before. Progress lines carry the
+Timing: device time from the profiler (``common.device_samples_ms``), >= 10 samples, each after an
+L2 flush; min / median / max per figure (``common.time_stats_ms``); compilation and autotuning happen before. Progress lines carry the
 elapsed time; the JSON is rewritten after every case, so a run cut short keeps what it measured.
 
     python bench/attention.py --out bench/results                  # GPU (~6 min on an H100)
@@ -94,7 +94,7 @@ if ejk_lite.ON_GPU and hasattr(ejk_lite.launch, "_import_jax_triton"):
     ejk_lite.launch._import_jax_triton()
 from common import (  # noqa: E402
     ceilings,
-    event_samples_ms,
+    device_samples_ms,
     matmul_tflops,
     parse_args,
     print_table,
@@ -608,7 +608,7 @@ def peer_flex(ctx) -> dict[str, Any]:
             return create_block_mask(mask_mod, B if mask.documents else None, None, T, T, **kw)
 
     block_mask = build()
-    build_stats = spread(event_samples_ms(build, samples=min(samples, 5), warmup=1))
+    build_stats = spread(device_samples_ms(build, samples=min(samples, 5), warmup=1))
     counts = block_mask.kv_num_blocks.to(torch.int64)
     if block_mask.full_kv_num_blocks is not None:
         counts = counts + block_mask.full_kv_num_blocks.to(torch.int64)
@@ -627,7 +627,7 @@ def peer_flex(ctx) -> dict[str, Any]:
         def run_fwd():
             call(q, k, v)
 
-        fwd_stats = spread(event_samples_ms(run_fwd, samples))
+        fwd_stats = spread(device_samples_ms(run_fwd, samples))
     del ours_o
     leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
 
@@ -637,7 +637,7 @@ def peer_flex(ctx) -> dict[str, Any]:
     run_fwd_bwd()
     for name, leaf, ours in zip(("dq", "dk", "dv"), leaves, ctx["ours_grads"]):
         err[name] = torch_rel_err(torch, leaf.grad, to_torch(torch, ours))
-    fwd_bwd_stats = spread(event_samples_ms(run_fwd_bwd, samples, grad_to_none=leaves))
+    fwd_bwd_stats = spread(device_samples_ms(run_fwd_bwd, samples, grad_to_none=leaves))
     del leaves, q, k, v, d_o, block_mask
     torch.cuda.empty_cache()
     return {"fwd": fwd_stats, "fwd+bwd": fwd_bwd_stats, "err": err, "impl": "flex",
@@ -744,7 +744,7 @@ def main():
                 visited_blocks_fwd="the same at ours' forward block sizes (block_q x block_kv)",
                 rel_err=("triton rows: against the float32 dense reference on a slice (fwd: output; fwd+bwd: the "
                          "worst of dq, dk, dv); peer rows: rel_err_vs_ours on the full output / gradients"),
-                timing="CUDA events after an L2 flush; min / median / max over `samples` samples",
+                timing="device time from the profiler (kernels summed) after an L2 flush; min / median / max over `samples` samples",
             ),
             masks={m.key: m.label for m in race_masks(cfg["window"])},
             summary=summarize(rows), not_run=not_run, failures=failures, rows=rows,

@@ -54,7 +54,7 @@ if ejk_lite.ON_GPU:
 from common import (  # noqa: E402
     ceilings,
     device_name,
-    event_samples_ms,
+    device_samples_ms,
     parse_args,
     print_table,
     relative_error,
@@ -208,7 +208,7 @@ def run_fla(fla, form, gate, inputs, d_o, scale, samples, broadcast=False):
 
     with torch.no_grad():
         o = back(call(tensors))
-        fwd = spread(event_samples_ms(lambda: call(tensors), samples))
+        fwd = spread(device_samples_ms(lambda: call(tensors), samples))
     leaves = {name: t.detach().requires_grad_(True) for name, t in tensors.items()}
 
     def forward_backward():
@@ -216,7 +216,7 @@ def run_fla(fla, form, gate, inputs, d_o, scale, samples, broadcast=False):
 
     forward_backward()
     grads = {name: back(t.grad) for name, t in leaves.items()}
-    fwd_bwd = spread(event_samples_ms(forward_backward, samples, grad_to_none=list(leaves.values())))
+    fwd_bwd = spread(device_samples_ms(forward_backward, samples, grad_to_none=list(leaves.values())))
     del leaves, tensors, d_o_t
     torch.cuda.empty_cache()
     return o, grads, {"fwd": fwd, "fwd+bwd": fwd_bwd}
@@ -389,8 +389,8 @@ def main():
             notes=("bf16 q, k, v, log-gates and cotangent; fp32 state. fwd: the output; fwd+bwd: "
                    "jax.vjp of the output (final state unused) with a random cotangent, every "
                    "input's gradient (fla: loss.backward with the same cotangent). Times: min / "
-                   f"median / max over {samples} samples: on a GPU CUDA events, L2 flushed before "
-                   "each (common.time_stats_ms for ours, common.event_samples_ms for fla); on a CPU "
+                   f"median / max over {samples} samples: on a GPU the device time from the "
+                   "profiler, L2 flushed before each (common.device_samples_ms, ours and fla alike); on a CPU "
                    "(--quick) the wall clock of the interpreter, which only shows that the script "
                    "runs. rel_err: the worst of the output (fwd) or of the gradients (fwd+bwd) "
                    "against the float32 lax.scan reference on the first checked_seq_len tokens; "

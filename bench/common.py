@@ -5,12 +5,12 @@ issue names, and writes ``<out_dir>/<op>.json``. Run one on the GPU machine as::
 
     python bench/<op>.py --out bench/results
 
-Timing: ``triton.testing.do_bench`` (median of many runs, CUDA events, L2 flushed between runs) around
-a few queued calls that end in ``block_until_ready()``. JAX launches on its own stream, so the events
-bracket the whole batch; per-call dispatch that the GPU cannot hide shows in the figures, and
-``dispatch_overhead_ms`` (an empty jitted function) says how much that can be. ``time_stats_ms``
-(and ``event_samples_ms`` for torch peers) gives the spread: min / median / max over a fixed number
-of samples.
+Timing: the device time of each call, from the profiler (``device_samples_ms``: the durations of
+the kernels and copies the GPU ran, summed), after an L2 flush, JAX and torch alike. What CUDA
+events would add, the host's dispatch and wait, is not the kernels' and stays out;
+``dispatch_overhead_ms`` (an empty jitted function) says how much it is. ``time_stats_ms`` gives
+the spread: min / median / max over a fixed number of samples. The ceilings (copy, matmul) are
+device times as well.
 """
 
 from __future__ import annotations
@@ -89,14 +89,44 @@ def median_ms(fn: Callable[[], Any], warmup_ms: int = 50, rep_ms: int = 300, cal
 _L2_FLUSH = None
 
 
-def event_samples_ms(run: Callable[[], Any], samples: int = 10, warmup: int = 3,
-                     grad_to_none: list[Any] | None = None) -> list[float]:
-    """``samples`` CUDA-event times of ``run()`` in ms, each after an L2 flush (as ``do_bench``).
+def spread(times_ms: list[float], calls: int = 1) -> dict[str, float]:
+    """min / median / max of per-call times (each sample ran ``calls`` calls) and the sample count."""
+    per_call = [t / calls for t in times_ms]
+    return {"min_ms": float(min(per_call)), "median_ms": float(np.median(per_call)),
+            "max_ms": float(max(per_call)), "samples": len(per_call), "calls_per_sample": calls}
 
-    ``run`` must leave its work finished or queued on the current (torch) stream: a JAX function
-    ends in ``block_until_ready()``; a torch function is simply called. The flush is waited for
-    before the start event, so that it never overlaps the timed work on JAX's own stream.
+
+def time_stats_ms(fn: Callable[[], Any], samples: int = 10, warmup: int = 3) -> dict[str, float]:
+    """min / median / max ms of one ``fn()`` over ``samples`` samples (see :func:`spread`).
+
+    On a GPU, the device time of one call (:func:`device_samples_ms`). Without a GPU, the wall
+    clock of single calls (which only shows that the script runs).
     """
+    jax.block_until_ready(fn())  # compile outside the measurement
+    if ejk_lite.ON_GPU:
+        return spread(device_samples_ms(lambda: jax.block_until_ready(fn()), samples, warmup))
+    times = []
+    for _ in range(samples):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append((time.perf_counter() - start) * 1e3)
+    return spread(times)
+
+
+def device_samples_ms(run: Callable[[], Any], samples: int = 10, warmup: int = 3,
+                      grad_to_none: list[Any] | None = None) -> list[float]:
+    """``samples`` device times of ``run()`` in ms, each after an L2 flush: the durations of the
+    kernels and copies the GPU ran during the call, as the profiler (CUPTI) saw them, summed.
+
+    Events around a call time the host too: the dispatch, and the wait for the result. Measured
+    on the H100 (8399fe5): a chunk-local cumsum of ``[8, 8192, 16]`` float32 runs 0.003 ms on
+    the device, and CUDA events around calls queued back to back gave 0.066 ms, the host's pace.
+    The profiler sees JAX's kernels and torch's alike, so every implementation is timed the same
+    way. ``run`` may return before its work is done: the device is synchronized before the
+    trace stops. Sums leave out the gaps between the kernels of a call.
+    """
+    import tempfile
+
     global _L2_FLUSH
     from triton import runtime
 
@@ -107,105 +137,32 @@ def event_samples_ms(run: Callable[[], Any], samples: int = 10, warmup: int = 3,
     for _ in range(warmup):
         run()
     device.synchronize()
-    starts = [device.Event(enable_timing=True) for _ in range(samples)]
-    ends = [device.Event(enable_timing=True) for _ in range(samples)]
-    for i in range(samples):
-        if grad_to_none is not None:
-            for x in grad_to_none:
-                x.grad = None
+    times = []
+    for _ in range(samples):
+        for x in grad_to_none or ():
+            x.grad = None
         driver.clear_cache(_L2_FLUSH)
         device.synchronize()
-        starts[i].record()
-        run()
-        ends[i].record()
-    device.synchronize()
-    return [float(s.elapsed_time(e)) for s, e in zip(starts, ends)]
-
-
-def spread(times_ms: list[float], calls: int = 1) -> dict[str, float]:
-    """min / median / max of per-call times (each sample ran ``calls`` calls) and the sample count."""
-    per_call = [t / calls for t in times_ms]
-    return {"min_ms": float(min(per_call)), "median_ms": float(np.median(per_call)),
-            "max_ms": float(max(per_call)), "samples": len(per_call), "calls_per_sample": calls}
-
-
-def time_stats_ms(fn: Callable[[], Any], samples: int = 10, warmup: int = 3,
-                  min_sample_ms: float = 10.0, max_calls: int = 100) -> dict[str, float]:
-    """min / median / max ms of one ``fn()`` over ``samples`` timed samples (see :func:`spread`).
-
-    On a GPU, CUDA events (:func:`event_samples_ms`); a sample queues as many calls (at most
-    ``max_calls``) as it takes to last ``min_sample_ms``. The events bracket the host's work too:
-    the GPU idles while the first call is dispatched, and the end is recorded once the host has
-    seen the last call finish: tens of microseconds a sample, which a sample of 10 ms spreads
-    thin. Measured in one process on the H100 (e8687f1), medians at 1 ms / at 10 ms a sample:
-    padded mean pooling 0.378 / 0.210 ms, cumsum of [4, 4096, 16, 128] float32 0.368 / 0.120
-    ms; the 10 ms figures agree with ``do_bench`` of 8 calls (0.224, 0.124). The L2 cache is
-    flushed before each sample, so inputs smaller than it (50 MB on the H100) stay cached from
-    the second call of a sample on. Without a GPU, the wall clock of single calls (which only
-    shows that the script runs).
-    """
-    jax.block_until_ready(fn())  # compile outside the measurement
-    if not ejk_lite.ON_GPU:
-        times = []
-        for _ in range(samples):
-            start = time.perf_counter()
-            jax.block_until_ready(fn())
-            times.append((time.perf_counter() - start) * 1e3)
-        return spread(times)
-    start = time.perf_counter()
-    jax.block_until_ready(fn())
-    estimate_ms = (time.perf_counter() - start) * 1e3
-    calls = int(min(max_calls, max(1, -(-min_sample_ms // max(estimate_ms, 1e-3)))))
-
-    def run():
-        out = None
-        for _ in range(calls):
-            out = fn()
-        jax.block_until_ready(out)
-
-    return spread(event_samples_ms(run, samples, warmup), calls)
-
-
-def device_samples_ms(run: Callable[[], Any], samples: int = 10, warmup: int = 3,
-                      calls: int = 5) -> tuple[list[float], dict[str, Any]]:
-    """``samples`` device times of one call of ``run``, in ms, from the profiler: the durations
-    of the kernels and copies the GPU ran while ``run()`` was called ``calls`` times, summed and
-    divided by ``calls``. ``run`` must leave its work finished (a JAX function ends in
-    ``block_until_ready()``; a torch one in ``torch.cuda.synchronize()``).
-
-    What events time, the host does too (dispatch, the wait for the result); this counts only
-    the GPU's busy time, the same way for every implementation, JAX or torch. Returns the
-    samples and what the last sample ran: how many kernels a call, the longest few by name.
-    """
-    import tempfile
-
-    for _ in range(warmup):
-        run()
-    times, seen = [], {}
-    for _ in range(samples):
         with tempfile.TemporaryDirectory() as folder:
             jax.profiler.start_trace(folder)
-            for _ in range(calls):
-                run()
+            run()
+            device.synchronize()
             jax.profiler.stop_trace()
             (path,) = Path(folder).rglob("*.xplane.pb")
             data = jax.profiler.ProfileData.from_file(str(path))
-        busy, seen = 0, {}
-        for plane in data.planes:
-            if not plane.name.startswith("/device:GPU"):
-                continue
-            for line in plane.lines:
-                if not line.name.startswith("Stream"):  # the per-stream lines hold the work
-                    continue
-                for event in line.events:
-                    busy += event.duration_ns
-                    seen[event.name] = seen.get(event.name, 0) + event.duration_ns
+        busy = sum(event.duration_ns for plane in data.planes
+                   if plane.name.startswith("/device:GPU") for line in plane.lines
+                   if line.name.startswith("Stream") for event in line.events)
         if busy == 0:
             raise RuntimeError("the profiler saw no GPU work: nothing to time")
-        times.append(busy / calls / 1e6)
-    longest = sorted(seen.items(), key=lambda kv: -kv[1])[:4]
-    return times, {"events_per_call": None, "longest": [[n[:80], round(t / calls / 1e6, 4)]
-                                                         for n, t in longest]}
+        times.append(busy / 1e6)
+    return times
+
+
+def device_median_ms(fn: Callable[[], Any]) -> float:
+    """The median device time of one ``fn()`` (a JAX function), over 10 samples."""
+    jax.block_until_ready(fn())
+    return float(np.median(device_samples_ms(lambda: jax.block_until_ready(fn()))))
 
 
 def dispatch_overhead_ms() -> float:
@@ -236,7 +193,7 @@ def copy_methods_gbs(n_bytes: int = 1 << 30, timer: Callable[[Callable[[], Any]]
     checked exactly first (a method that moved nothing would look fast)."""
     from ejk_lite.launch import triton_call
 
-    timer = timer or median_ms
+    timer = timer or device_median_ms
     n = n_bytes // 2
     x = jax.random.normal(jax.random.key(0), (n,), jnp.bfloat16)
     scaled = (np.asarray(x, np.float32) * 1.5).astype(jnp.bfloat16)  # exact: 1.5 x rounds once
@@ -274,7 +231,7 @@ def matmul_tflops(n: int = 8192, timer: Callable[[Callable[[], Any]], float] | N
     """bf16 matrix-product TFLOP/s, the best of XLA's ``n x n @ n x n`` with a bf16 and with a
     float32 result (``preferred_element_type``), and ``n x n @ n x 2n``; recorded in ``CEILINGS``
     method by method. Each product is checked on one row against NumPy first."""
-    timer = timer or median_ms
+    timer = timer or device_median_ms
     ka, kb = jax.random.split(jax.random.key(1))
     a = jax.random.normal(ka, (n, n), jnp.bfloat16)
     b = jax.random.normal(kb, (n, 2 * n), jnp.bfloat16)
@@ -305,11 +262,6 @@ def wall_ms(fn: Callable[[], Any], reps: int = 3) -> float:
         jax.block_until_ready(fn())
         times.append((time.perf_counter() - start) * 1e3)
     return float(np.median(times))
-
-
-def time_ms(fn: Callable[[], Any]) -> float:
-    """Median ms: CUDA events on a GPU; without one the wall clock (which only shows the script runs)."""
-    return median_ms(fn) if ejk_lite.ON_GPU else wall_ms(fn)
 
 
 def ceilings() -> tuple[float, float]:

@@ -31,7 +31,7 @@ if ejk_lite.ON_GPU:
     ejk_lite.launch._import_jax_triton()
 from common import (  # noqa: E402
     ceilings,
-    event_samples_ms,
+    device_samples_ms,
     parse_args,
     print_table,
     relative_error,
@@ -113,7 +113,7 @@ def to_torch(torch, x):
 
 def run_fla(fla, inputs, d_o):
     """fla's outputs and gradients on our inputs, and its forward / forward + backward times
-    (min / median / max over ``SAMPLES``, CUDA events)."""
+    (min / median / max over ``SAMPLES``, device time)."""
     torch, simple_gla, gla = fla
     tensors = {name: to_torch(torch, x) for name, x in inputs.items()}
     d_o_t = to_torch(torch, d_o)
@@ -125,7 +125,7 @@ def run_fla(fla, inputs, d_o):
 
     with torch.no_grad():
         o = call(tensors)
-        fwd_ms = spread(event_samples_ms(lambda: call(tensors), SAMPLES))
+        fwd_ms = spread(device_samples_ms(lambda: call(tensors), SAMPLES))
     leaves = {name: t.detach().requires_grad_(True) for name, t in tensors.items()}
 
     def forward_backward():
@@ -133,7 +133,7 @@ def run_fla(fla, inputs, d_o):
 
     forward_backward()
     grads = {name: t.grad.clone() for name, t in leaves.items()}
-    fwd_bwd_ms = spread(event_samples_ms(forward_backward, SAMPLES,
+    fwd_bwd_ms = spread(device_samples_ms(forward_backward, SAMPLES,
                                          grad_to_none=list(leaves.values())))
 
     def back(t):
@@ -230,8 +230,8 @@ def main():
         target="at least as fast as fla forward and fwd+bwd; >= 20x the lax.scan reference",
         speedups=summary, tolerance=TOL, failures=failures, passed=not failures, rows=rows,
         notes=("bf16 inputs, fp32 state; gradients of sum(o * d_o) w.r.t. every input (final state "
-               f"unused). triton and fla rows: min / median / max over {SAMPLES} samples, CUDA events, "
-               "L2 flushed before each (common.time_stats_ms, common.event_samples_ms). scan rows: wall clock, "
+               f"unused). triton and fla rows: min / median / max over {SAMPLES} samples, device time "
+               "from the profiler, L2 flushed before each (common.device_samples_ms). scan rows: wall clock, "
                "median of 3 after a warm-up, on timed_seq_len tokens, scaled linearly to seq_len (the "
                "scan is one loop iteration per token). triton rel_err: first "
                f"{check_len} tokens against the fp32 lax.scan reference on the same inputs (fwd: the output; "
