@@ -22,7 +22,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import common
 import jax
@@ -102,12 +101,8 @@ def main() -> int:
               f"{run['warm']['forward']['median_ms']:8.2f} ms, gradient "
               f"{run['warm']['gradient']['median_ms']:8.2f} ms | error: forward "
               f"{errors['forward']:.1e}, gradients {max(errors['gradient'].values()):.1e}")
-    commit = os.environ.get("EJK_COMMIT")
-    commit_file = Path(__file__).parent / "results" / ".commit"
-    if not commit and commit_file.exists():
-        commit = json.loads(commit_file.read_text()).get("commit")
     path = common.write_result(args.out, "attention_fp32", {
-        "commit": commit, "shape": {**shape, "dtype": "float32", "mask": "causal"},
+        "shape": {**shape, "dtype": "float32", "mask": "causal"},
         "gpu": ejk_lite.ON_GPU, "tolerance": TOLERANCE, "runs": runs})
     print(f"wrote {path}")
     if failed:

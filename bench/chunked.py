@@ -34,8 +34,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -53,6 +51,7 @@ if ejk_lite.ON_GPU:
     ejk_lite.launch._import_jax_triton()
 from common import (  # noqa: E402
     ceilings,
+    commit,
     device_name,
     device_samples_ms,
     parse_args,
@@ -140,20 +139,6 @@ def errors(o, grads, ref_o, ref_grads) -> dict[str, float]:
 def past_tolerance(err: dict[str, float]) -> list[str]:
     return [f"{name} {e:.3g} > {TOL['out' if name == 'out' else 'grad']}" for name, e in err.items()
             if not e <= TOL["out" if name == "out" else "grad"]]
-
-
-def commit() -> str | None:
-    """The commit the tree was taken from (see the module docstring)."""
-    if os.environ.get("EJK_COMMIT"):
-        return os.environ["EJK_COMMIT"]
-    recorded = ROOT / "bench" / "results" / ".commit"
-    if recorded.exists():
-        return json.loads(recorded.read_text()).get("commit")
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except Exception:  # noqa: BLE001 (no git where the benchmark runs)
-        return None
 
 
 # ----------------------------------------------------------------------------------------------

@@ -54,13 +54,33 @@ def versions() -> dict[str, str]:
         found["jaxlib"] = jaxlib.__version__
     except ImportError:
         pass
-    try:
-        from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
-        found["jax_triton"] = version("jax-triton")
-    except Exception:
-        pass
+    for name in ("jax-triton", "torch", "fla-core"):  # the peers' too, where installed
+        try:
+            found[name.replace("-", "_")] = version(name)
+        except PackageNotFoundError:
+            pass
     return found
+
+
+def commit() -> str | None:
+    """The commit the measured tree was taken from: ``$EJK_COMMIT``, else
+    ``bench/results/.commit`` (``python bench/gpu_check.py prepare``), else ``git rev-parse HEAD``."""
+    import os
+    import subprocess
+
+    if os.environ.get("EJK_COMMIT"):
+        return os.environ["EJK_COMMIT"]
+    root = Path(__file__).resolve().parent.parent
+    recorded = root / "bench" / "results" / ".commit"
+    if recorded.exists():
+        return json.loads(recorded.read_text()).get("commit")
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except Exception:  # noqa: BLE001 (no git where the benchmark runs)
+        return None
 
 
 def device_name() -> str:
@@ -326,6 +346,7 @@ def write_result(out_dir: str, op: str, payload: dict[str, Any]) -> Path:
         "device": device_name(),
         "date": datetime.date.today().isoformat(),
         "versions": versions(),
+        "commit": commit(),
         "command": " ".join(sys.argv),
         **({"ceilings": dict(CEILINGS)} if CEILINGS else {}),
         **payload,
