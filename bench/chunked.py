@@ -63,6 +63,7 @@ from common import (  # noqa: E402
     write_result,
 )
 from ejk_lite.chunked import chunked_recurrent  # noqa: E402
+from ejk_lite.notebook import chunked_cost  # noqa: E402
 from ejk_lite.linear_attention import recurrent, reference  # noqa: E402
 
 OP = "chunked"
@@ -246,12 +247,15 @@ def run_shape(index, shape, ops, fla, samples, quick, copy_gbs, rows, failures, 
         # Inputs seeded by the shape's index and the gate: the same with or without --merge.
         inputs, d_o = make_inputs(2 * index + (gate == "gk"), b, t, h, d, gate, shape.get("kv_heads"))
         dims = [b, t, h, d]
-        # Fewest bytes, bf16: q, k, v, the gate and o once (fwd); again with d_o and every
-        # input's gradient (fwd+bwd).
+        # Fewest bytes, bf16: q, k, v, the gate and o once (fwd); fwd+bwd: those and d_o read,
+        # o and every input's gradient written: twice as many (ejk_lite.notebook.chunked_cost).
         q_bytes, kv_bytes = b * t * h * d * 2, b * t * h_kv * d * 2
         gate_bytes = q_bytes if gate == "gk" else b * t * h * 2
         io_bytes = 2 * q_bytes + 2 * kv_bytes + gate_bytes
-        bytes_moved = {"fwd": io_bytes, "fwd+bwd": 2 * io_bytes + 2 * q_bytes}
+        bytes_moved = {"fwd": io_bytes, "fwd+bwd": 2 * io_bytes}
+        for direction, n_bytes in bytes_moved.items():  # one count, here and in the book
+            assert n_bytes == chunked_cost(b, t, h, d, d, gate, direction,
+                                           kv_heads=h_kv).bytes, direction
 
         # The float32 reference on a prefix (the same bf16 values, widened), once for both of
         # ours: its output and gradients come back in float32.
