@@ -88,6 +88,9 @@ def source_of(obj: Any, name: str = "obj") -> str:
 def _fits(text: str, width: int | None, name: str) -> str:
     # Nothing is reflowed: a line too wide for the page is an error, so that an edit of the
     # shipped code that breaks the page fails the chapter instead of spilling off it.
+    if width is not None and (not isinstance(width, int) or isinstance(width, bool)
+                              or width < 1):
+        raise ValueError(f"width must be a positive int or None, got {width!r}")
     if width is not None:
         for number, line in enumerate(text.splitlines(), 1):
             if len(line) > width:
@@ -96,10 +99,30 @@ def _fits(text: str, width: int | None, name: str) -> str:
     return text
 
 
-def _display_code(text: str, language: str) -> None:
-    from IPython.display import Code, display
+class _Highlighted:
+    """Code shown highlighted in a notebook (HTML) and as plain text elsewhere."""
 
-    display(Code(text, language=language))
+    def __init__(self, text: str, language: str):
+        self.text, self.language = text, language
+
+    def _repr_html_(self) -> str:
+        from pygments import highlight
+        from pygments.formatters import HtmlFormatter
+        from pygments.lexers import get_lexer_by_name
+
+        # Colours inline: IPython's Code styles its classes under `.output_html`, a class the
+        # built page's outputs do not carry, and there the diff's + and - lines came out black.
+        return highlight(self.text, get_lexer_by_name(self.language),
+                         HtmlFormatter(noclasses=True, style="default"))
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def _display_code(text: str, language: str) -> None:
+    from IPython.display import display
+
+    display(_Highlighted(text, language))
 
 
 def show_code(obj: Any, *, width: int | None = PAGE_WIDTH) -> None:
@@ -380,6 +403,9 @@ def chunked_cost(B: int, T: int, H: int, K: int, V: int, gate: str, direction: s
     feature); the per-key gate's elementwise work on the diagonal sub-chunks is not counted.
     ``kv_heads``: grouped key/value heads (default ``H``), whose k, v (and dk, dv) are smaller."""
     H_kv = H if kv_heads is None else kv_heads
+    if not isinstance(H_kv, int) or isinstance(H_kv, bool) or not 1 <= H_kv <= H or H % H_kv:
+        raise ValueError(f"kv_heads must be an int dividing H = {H} (grouped heads), got "
+                         f"{kv_heads!r}")
     gate_bytes = {"g": B * T * H, "gk": B * T * H * K}[gate] * itemsize
     forward = 2 * chunk * K + 2 * chunk * V + 4 * K * V
     per_head = B * T * (K + V) * itemsize  # q and o (or k and v) of one head
@@ -508,10 +534,15 @@ def roofline_table(rows: list[dict], case=None, drop=()) -> str:
     header = ["case", "impl", "pass", "flop/B", "bound", "floor, datasheet (ms)",
               "floor, measured ceilings (ms)", "measured (ms)", "share of the datasheet floor",
               "share of the measured floor"]
-    unknown = [name for name in drop if name not in header]
-    if isinstance(drop, str) or unknown:
+    drop = () if drop is None else drop
+    try:  # once, as a tuple: a generator would be used up by the check below
+        names = () if isinstance(drop, str) else tuple(drop)
+    except TypeError:
+        names = None
+    if isinstance(drop, str) or names is None or any(name not in header for name in names):
         raise ValueError(f"roofline_table: drop must be a sequence of column headers from "
                          f"{header}, got {drop!r}")
+    drop = names
     kept = [i for i, name in enumerate(header) if name not in drop]
 
     def pct(x):

@@ -186,6 +186,20 @@ def test_sources_of_triton_jit_functions_are_unwrapped(capsys):
     assert "def scale_v1" in out and "+    tl.store(x_ptr + tl.arange(0, N), x * 3)" in out
 
 
+def test_highlighted_code_carries_its_colours_inline():
+    # The built page's outputs are not inside IPython's `.output_html`: class-based styles
+    # missed there, and a diff's + and - lines showed black.
+    from ejk_lite.notebook import _Highlighted, code_diff
+
+    new = OLD.replace("a5 = x + 5", "a5 = x * 5")
+    html = _Highlighted(code_diff(OLD, new), "diff")._repr_html_()
+    added = next(line for line in html.splitlines() if "a5 = x * 5" in line)
+    removed = next(line for line in html.splitlines() if "a5 = x + 5" in line)
+    assert 'style="color:' in added and 'style="color:' in removed
+    assert added.split('style="color: ')[1][:7] != removed.split('style="color: ')[1][:7]
+    assert repr(_Highlighted("x = 1", "python")) == "x = 1"
+
+
 def test_show_code_and_diff_name_a_bad_argument():
     from ejk_lite.notebook import code_diff, show_code, show_diff
 
@@ -197,6 +211,9 @@ def test_show_code_and_diff_name_a_bad_argument():
         code_diff(OLD, OLD, context=-1)
     with pytest.raises(ValueError, match="old and new are the same"):
         show_diff(OLD, OLD)
+    for width in (0, -3, 2.5, True, "90"):
+        with pytest.raises(ValueError, match="width must be a positive int or None"):
+            show_code(OLD, width=width)
     wide = "def f():\n    return " + "1 + " * 30 + "1"
     with pytest.raises(ValueError, match="line 2 has 132 characters"):
         show_code(wide)

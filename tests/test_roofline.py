@@ -83,6 +83,9 @@ def test_counts_worked_by_hand():
     assert c[:2] == (2 * 5 * (4 + 2) + 2 * 4, 4 * fwd)
     assert chunked_cost(1, 1, 4, 2, 3, "g", "fwd+bwd", chunk=4, kv_heads=2)[0] == (
         2 * 2 * 5 * (4 + 2) + 2 * 2 * 4)
+    for kv_heads in (0, 3, 8, 2.0, True):  # not a divisor of H = 4 in 1..4, or not an int
+        with pytest.raises(ValueError, match="kv_heads"):
+            chunked_cost(1, 1, 4, 2, 3, "g", "fwd", kv_heads=kv_heads)
     # attention, 10 visible pairs, D=8: 4 x 8 flops each; q, k, v, o of 3 tokens, one head.
     c = attention_cost(1, 1, 1, 3, 8, 10, "fwd")
     assert (c.bytes, c.flops) == (4 * 3 * 8 * 2, 320)
@@ -118,9 +121,10 @@ def test_rows_carry_both_floors_and_shares():
     copy = results("cumsum")["copy_bandwidth_gbs"]
     assert all(r["measured_floor"].ms == pytest.approx(r["cost"].bytes / copy / 1e6)
                for r in big)
-    # recurrent.json kept no copy bandwidth: no measured floor, never a made-up one
-    assert all(r["measured_floor"] is None for r in roofline_rows("recurrent",
-                                                                 results("recurrent")))
+    # a file that kept no copy bandwidth (recurrent.json, once): no measured floor, never a
+    # made-up one
+    bare = {k: v for k, v in results("recurrent").items() if k != "copy_bandwidth_gbs"}
+    assert all(r["measured_floor"] is None for r in roofline_rows("recurrent", bare))
     table = roofline_table(rows)
     assert table.count("<tr>") == len(rows) + 1 and "compute" in table
 
@@ -134,9 +138,11 @@ def test_table_drops_the_columns_asked_for():
     assert full.count("<td") - narrow.count("<td") == len(rows)
     assert ">memory</td>" in full and ">memory</td>" not in narrow
     assert narrow.count("<tr>") == len(rows) + 1
-    for bad in (("bounds",), "bound"):  # a misspelt header; a string, not a sequence of them
+    for bad in (("bounds",), "bound", 3):  # a misspelt header; a string; not a sequence
         with pytest.raises(ValueError, match="drop"):
             roofline_table(rows, drop=bad)
+    assert roofline_table(rows, drop=None) == full
+    assert roofline_table(rows, drop=(n for n in ["bound"])) == narrow  # a generator, once
 
 
 def test_recorded_label_names_file_commit_and_date():
@@ -145,8 +151,13 @@ def test_recorded_label_names_file_commit_and_date():
     assert label.startswith("recorded on ") and data["device"] in label
     for piece in ("bench/results/chunked.json", f"commit {data['commit'][:7]}", data["date"][:10]):
         assert piece in label
-    assert "commit not recorded" in recorded_label(results("cumsum"), "cumsum")
-    assert "transcribed" in recorded_label(results("recurrent"), "recurrent")
+    for stem in ("cumsum", "mean_pooling", "recurrent", "attention"):  # measured with it
+        assert f"commit {results(stem)['commit'][:7]}" in recorded_label(results(stem), stem)
+    unlabelled = {k: v for k, v in results("cumsum").items() if k != "commit"}
+    assert "commit not recorded" in recorded_label(unlabelled, "cumsum")
+    copied = dict(results("recurrent"), source="TRANSCRIBED from a log")
+    assert "transcribed" in recorded_label(copied, "recurrent")
+    assert "transcribed" not in recorded_label(results("recurrent"), "recurrent")
 
 
 def test_figure_draws_every_row():
