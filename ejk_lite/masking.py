@@ -668,7 +668,8 @@ def make_block_mask(
     ``[B or 1, H or 1, T, S]`` (bool or 0/1), honoured exactly. ``layout``: a boolean per tile of
     ``layout_block`` tokens (default: the block sizes), ``[nLQ, nLK]`` or ``[H, nLQ, nLK]``,
     combined with the rules by ``combine`` (``"and"``: both must allow a pair; ``"or"``: either). No
-    rule and no layout: every pair is visible.
+    rule and no layout: every pair is visible. Positions are read by ``causal`` and the window
+    only: given without them they are no rule, and a layout stands alone whatever ``combine``.
     """
     for name, n in (("q_len", q_len), ("kv_len", kv_len)):
         if not isinstance(n, (int, np.integer)) or n < 0:

@@ -51,8 +51,10 @@ def brute_visible(T, S, *, blocks=None, q_segment_ids=None, kv_segment_ids=None,
                   combine="and"):
     """Dense boolean ``[B, H, T, S]`` (or with leading size-1 axes) from the definitions."""
     vis = np.ones((1, 1, T, S), bool)
-    rule = (any(x is not None for x in (q_segment_ids, kv_segment_ids, q_positions, kv_positions,
-                                        attention_mask)) or causal or sliding_window is not None)
+    # Positions are read by causal and the window only: alone they are no rule (a layout then
+    # stands alone, even with combine="or"), as make_block_mask documents.
+    rule = (any(x is not None for x in (q_segment_ids, kv_segment_ids, attention_mask))
+            or causal or sliding_window is not None)
     if q_segment_ids is not None:
         qs, ks = np.asarray(q_segment_ids), np.asarray(kv_segment_ids)
         vis = vis & (qs[:, None, :, None] == ks[:, None, None, :])
@@ -278,6 +280,22 @@ def test_layout_builder_exact(data):
     kw["layout"], kw["layout_block"] = data.draw(layouts(T, S, bq, bk), label="layout")
     kw["combine"] = data.draw(st.sampled_from(["and", "or"]), label="combine")
     build_and_check(T, S, bq, bk, **kw)
+
+
+def test_positions_alone_are_no_rule_beside_a_layout():
+    # Found by test_layout_builder_exact on the H100 (a draw the CPU runs had not made): with
+    # combine="or", positions given without causal or a window must leave the layout alone,
+    # not count as a rule that sees every pair.
+    T, S, bq, bk = 37, 37, 8, 16
+    layout = np.array([[1, 0, 1], [0, 1, 1], [0, 0, 1], [1, 0, 1], [0, 1, 1]], bool)
+    positions = np.tile(np.arange(S, dtype=np.int32), (2, 1))
+    for combine in ("and", "or"):
+        kw = dict(layout=layout, layout_block=(bq, bk), combine=combine)
+        alone = make_block_mask(T, S, q_block=bq, kv_block=bk, **kw)
+        with_positions = make_block_mask(T, S, q_block=bq, kv_block=bk, kv_positions=positions,
+                                         **kw)
+        np.testing.assert_array_equal(np.asarray(with_positions.kinds), np.asarray(alone.kinds))
+        check_mask(with_positions, brute_visible(T, S, kv_positions=positions, **kw))
 
 
 @pytest.mark.parametrize("case", ["one_token_docs", "q_doc_missing_in_kv", "window_0", "no_rule",
