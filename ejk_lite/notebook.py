@@ -534,15 +534,12 @@ def roofline_table(rows: list[dict], case=None, drop=()) -> str:
     header = ["case", "impl", "pass", "flop/B", "bound", "floor, datasheet (ms)",
               "floor, measured ceilings (ms)", "measured (ms)", "share of the datasheet floor",
               "share of the measured floor"]
-    drop = () if drop is None else drop
-    try:  # once, as a tuple: a generator would be used up by the check below
-        names = () if isinstance(drop, str) else tuple(drop)
-    except TypeError:
-        names = None
-    if isinstance(drop, str) or names is None or any(name not in header for name in names):
+    given = drop
+    # A tuple once: a generator would be used up by the check.
+    drop = tuple(drop or ()) if not isinstance(drop, (str, int)) else None
+    if drop is None or any(name not in header for name in drop):
         raise ValueError(f"roofline_table: drop must be a sequence of column headers from "
-                         f"{header}, got {drop!r}")
-    drop = names
+                         f"{header}, got {given!r}")
     kept = [i for i, name in enumerate(header) if name not in drop]
 
     def pct(x):

@@ -257,15 +257,9 @@ def linear_attention(fn: Callable[..., tuple[Array, Array]], *, query: Array, ke
         if batch != 1:
             raise ValueError(f"cu_seqlens packs sequences along one row: batch must be 1, "
                              f"got {batch}")
-    num_sequences = batch if cu_seqlens is None else jnp.shape(cu_seqlens)[0] - 1
-    init = initial_state
-    if init is None and len(getattr(value, "shape", ())) == 4:
-        # Zeros made here vary over the axis like the data: a scan's carry (the XLA
-        # implementation's) must keep its type, and one made inside it would vary over nothing.
-        init = jnp.zeros((num_sequences, heads, key_dim, value.shape[-1]), jnp.float32)
-    if cu_seqlens is not None:
         cu = jnp.clip(jnp.asarray(cu_seqlens).astype(jnp.int32), 0, total)  # int32, in range
         cu = jax.lax.cummax(cu.at[0].set(0), axis=0)  # (a traced one: the nearest valid packing)
+        num_sequences = cu.shape[0] - 1
         # A shard's slice of the packing: the offsets clipped to it, sequences outside it empty.
         local_cu = jnp.clip(cu - index * L, 0, L)
         if num_sequences == 0:  # every token is padding: zeros, which depend on nothing
@@ -275,19 +269,8 @@ def linear_attention(fn: Callable[..., tuple[Array, Array]], *, query: Array, ke
             return fn(**arrays, softmax_scale=softmax_scale, reverse=reverse, cu_seqlens=local_cu,
                       **options)
     else:
+        num_sequences = batch
         local_cu = None
-    if num_shards == 1:
-        # One shard holds the whole sequence: nothing enters or leaves it. The exchange below
-        # would give the same, but with the shard index a constant XLA folds its masked
-        # running sums at compile time: one fold took 13.5 s, and the chapter's cell minutes,
-        # on the H100 (T = 1024, the GPU check of 42a4bba).
-        given = dict(query=query, key=key, value=value, g=g, g_gamma=g_gamma, gk=gk, gv=gv,
-                     initial_state=init)
-        given = {k: x for k, x in given.items() if x is not None}
-        given = dict(zip(given, vary_like(list(given.values()), query, index)))
-        o, final = fn(**given, softmax_scale=softmax_scale, reverse=reverse,
-                      cu_seqlens=local_cu, **options)
-        return o, jax.lax.psum(final, axis)  # the same on every shard, and typed so
 
     # Where the state comes in and goes out. In walking order (backwards for reverse) a shard's
     # first token is where the state of the shard before it enters, its last where its own
@@ -316,6 +299,11 @@ def linear_attention(fn: Callable[..., tuple[Array, Array]], *, query: Array, ke
 
     # 1. The kernel on this shard's slice, the entering sequence from a zero state (every other
     #    sequence of the slice starts in it, from its own initial state).
+    init = initial_state
+    if init is None and len(getattr(value, "shape", ())) == 4:
+        # Zeros made here vary over the axis like the data: a scan's carry (the XLA
+        # implementation's) must keep its type, and one made inside it would vary over nothing.
+        init = jnp.zeros((num_sequences, heads, key_dim, value.shape[-1]), jnp.float32)
     if init is not None:
         init = init.at[enter_slot].set(jnp.where(enters[:, None, None, None], 0,
                                                  init[enter_slot]))
@@ -325,6 +313,12 @@ def linear_attention(fn: Callable[..., tuple[Array, Array]], *, query: Array, ke
     given = dict(zip(given, vary_like(list(given.values()), query, index)))
     o, final = fn(**given, softmax_scale=softmax_scale, reverse=reverse, cu_seqlens=local_cu,
                   **options)
+    if num_shards == 1:
+        # One shard holds the whole sequence: nothing entered it, nothing leaves it. Steps 2-4
+        # would give the same, but with the shard index a constant XLA folds their masked
+        # running sums at compile time: one fold took 13.5 s, the *Across devices* cell 150 s,
+        # on the H100 (T = 1024, the GPU check of 42a4bba; 71 s once skipped).
+        return o, jax.lax.psum(final, axis)  # the same on every shard, and typed so
 
     # 2. The decays of the entering sequence's tokens: running (from the boundary to each token)
     #    and total. Exp of a running sum of log-decays <= 0 only underflows, where the state
