@@ -3,7 +3,7 @@
 Separate processes (``bench/_ab.py``) differed by up to 10 % from run to run on the same code, more
 than the differences looked for. Here every version is imported in one process, as a renamed copy
 of the package (``ejk_new``, ``ejk_old``, ...), and the timings are interleaved: ``--reps`` rounds,
-each timing every (version, mask, direction) once (10 samples, CUDA events); the median of the
+each timing every (version, mask, direction) once (10 samples, device time); the median of the
 round medians is reported, with the spread of the rounds.
 
     here:    python bench/_ab_attention.py prepare .scratch/ab     # the copies, from git

@@ -3,13 +3,20 @@
 float32 is what people try first, and with plain FMA dots (``"ieee"``) its first call was slow to
 compile (an H100 user measured 22 s for the forward and 92 s for its gradient) and its warm time
 far behind bfloat16. ``"tf32x3"`` (three TF32 tensor-core products) keeps float32 accuracy.
-For each setting a fresh process (empty Triton cache, no JAX compilation cache) times:
+Each run is a fresh process (empty Triton cache, no JAX compilation cache), and times:
 
-* ``cold``: the wall time of the first forward call, then of the first gradient call (whose
-  forward kernel is already compiled), and their sum: what a new user waits for;
-* ``warm``: min / median / max of the forward and of the gradient (10 samples, CUDA events);
+* ``cold``: the first forward, then the first gradient (whose forward kernel is compiled
+  already), and their sum: what a new user waits for. Each is split into its phases:
+  ``lower`` (tracing, and Triton's compile of each new kernel to PTX), ``xla`` (XLA's compile)
+  and ``first_run`` (ptxas turning each kernel's PTX into machine code, then the run);
+* ``warm``: min / median / max device time of the forward and of the gradient (10 samples);
 * the relative error of the output and of dq, dk, dv against the float64 reference; the run
   fails (exit 1) past 1e-5 (forward) or 1e-4 (gradients).
+
+The runs: each ``float32_dot`` with the shipped defaults, and two same-run comparisons for
+``"tf32x3"``: ``torch_import`` lets Triton's specialiser import torch, as it did before
+``launch._start_specializer_without_torch`` (torch is installed on the GPU machine);
+``backward_64x64`` takes the backward tiles float32 had before 32 x 32.
 
     python bench/attention_fp32.py --out bench/results     # on a GPU; --quick: tiny, on a CPU
 """
@@ -32,17 +39,25 @@ import ejk_lite
 from ejk_lite import BlockSizes, blocksparse_attention
 from ejk_lite.attention import reference
 
-SETTINGS = ("tf32x3", "ieee")
+#: (name, float32_dot, variant): see the module docstring.
+RUNS = (("tf32x3", "tf32x3", "shipped"), ("tf32x3, torch_import", "tf32x3", "torch_import"),
+        ("tf32x3, backward_64x64", "tf32x3", "backward_64x64"), ("ieee", "ieee", "shipped"))
 SHAPE = dict(B=2, Hq=16, Hkv=4, T=2000, D=128)  # the shape of the user's report
 QUICK = dict(B=1, Hq=2, Hkv=1, T=40, D=32)
 TOLERANCE = {"forward": 1e-5, "gradient": 1e-4}
 
 
-def measure(setting: str, shape: dict) -> dict:
+def measure(setting: str, variant: str, shape: dict) -> dict:
     """In this (fresh) process: cold and warm times and errors of one ``float32_dot``."""
+    if variant == "torch_import":
+        import ejk_lite.launch
+
+        ejk_lite.launch._start_specializer_without_torch = lambda: None
     B, Hq, Hkv, T, D = (shape[k] for k in ("B", "Hq", "Hkv", "T", "D"))
     fwd_blocks = BlockSizes.forward(D, jnp.float32)
     bwd_blocks = BlockSizes.backward(D, jnp.float32)
+    if variant == "backward_64x64":
+        bwd_blocks = BlockSizes(64, 64, num_warps=4, num_stages=1)
     fwd_blocks = BlockSizes(**{**fwd_blocks.__dict__, "float32_dot": setting})
     bwd_blocks = BlockSizes(**{**bwd_blocks.__dict__, "float32_dot": setting})
     rng = np.random.default_rng(0)
@@ -56,11 +71,19 @@ def measure(setting: str, shape: dict) -> dict:
 
     forward = jax.jit(attention)
     gradient = jax.jit(jax.grad(lambda q, k, v: jnp.sum(w * attention(q, k, v)), (0, 1, 2)))
-    cold = {}
-    for name, fn in (("forward_s", forward), ("gradient_s", gradient)):
+    cold, phases = {}, {}
+    for name, fn in (("forward", forward), ("gradient", gradient)):
         start = time.perf_counter()
-        jax.block_until_ready(fn(q, k, v))
-        cold[name] = round(time.perf_counter() - start, 2)
+        lowered = fn.lower(q, k, v)
+        lowered_at = time.perf_counter()
+        compiled = lowered.compile()
+        compiled_at = time.perf_counter()
+        jax.block_until_ready(compiled(q, k, v))
+        end = time.perf_counter()
+        phases[name] = {"lower": round(lowered_at - start, 2),
+                        "xla": round(compiled_at - lowered_at, 2),
+                        "first_run": round(end - compiled_at, 2)}
+        cold[f"{name}_s"] = round(end - start, 2)
     cold["forward_plus_gradient_s"] = round(cold["forward_s"] + cold["gradient_s"], 2)
     warm = {"forward": common.time_stats_ms(lambda: forward(q, k, v)),
             "gradient": common.time_stats_ms(lambda: gradient(q, k, v))}
@@ -72,31 +95,36 @@ def measure(setting: str, shape: dict) -> dict:
     errors = {"forward": common.relative_error(forward(q, k, v), ref),
               "gradient": {n: common.relative_error(g, r) for n, g, r in
                            zip(("dq", "dk", "dv"), gradient(q, k, v), ref_grads)}}
-    return {"float32_dot": setting, "cold": cold, "warm": warm, "relative_error": errors}
+    return {"float32_dot": setting, "variant": variant,
+            "backward_blocks": {f: getattr(bwd_blocks, f) for f in
+                                ("block_q", "block_kv", "num_warps", "num_stages")},
+            "cold": cold, "cold_phases": phases, "warm": warm, "relative_error": errors,
+            "torch_imported": "torch" in sys.modules}
 
 
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":  # one setting, in a fresh process
-        print(json.dumps(measure(sys.argv[2], json.loads(sys.argv[3]))), flush=True)
+        print(json.dumps(measure(sys.argv[2], sys.argv[3], json.loads(sys.argv[4]))), flush=True)
         return 0
     args = common.parse_args(__doc__.splitlines()[0])
     shape = QUICK if args.quick else SHAPE
     runs, failed = [], []
-    for setting in SETTINGS:
+    for name, setting, variant in RUNS:
         env = dict(os.environ, TRITON_CACHE_DIR=tempfile.mkdtemp(prefix="triton_cold_"),
                    JAX_ENABLE_COMPILATION_CACHE="false")
-        child = subprocess.run([sys.executable, __file__, "--child", setting, json.dumps(shape)],
+        child = subprocess.run([sys.executable, __file__, "--child", setting, variant,
+                                json.dumps(shape)],
                                env=env, capture_output=True, text=True)
         if child.returncode != 0:
             print(child.stderr[-3000:], file=sys.stderr)
             return 1
-        run = json.loads(child.stdout.strip().splitlines()[-1])
+        run = {"name": name, **json.loads(child.stdout.strip().splitlines()[-1])}
         runs.append(run)
         errors = run["relative_error"]
         if errors["forward"] > TOLERANCE["forward"] or \
                 max(errors["gradient"].values()) > TOLERANCE["gradient"]:
-            failed.append(setting)
-        print(f"{setting:7s} cold: forward {run['cold']['forward_s']:6.1f} s, gradient "
+            failed.append(name)
+        print(f"{name:23s} cold: forward {run['cold']['forward_s']:6.1f} s, gradient "
               f"{run['cold']['gradient_s']:6.1f} s | warm median: forward "
               f"{run['warm']['forward']['median_ms']:8.2f} ms, gradient "
               f"{run['warm']['gradient']['median_ms']:8.2f} ms | error: forward "

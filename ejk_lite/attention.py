@@ -112,9 +112,12 @@ class BlockSizes:
     @staticmethod
     def backward(head_dim: int, dtype: Any = jnp.bfloat16) -> BlockSizes:
         """One config for both backward kernels (``bwd_blocks`` also takes a pair ``(dkv, dq)``)."""
-        if jnp.dtype(dtype).itemsize >= 4:
-            return (BlockSizes(64, 64, num_warps=4, num_stages=1) if head_dim <= 128
-                    else BlockSizes(32, 32, 4, 1))
+        if jnp.dtype(dtype).itemsize >= 4:  # H100, float32 (tf32x3) B2 Hq16 Hkv4 T2000 D128
+            # causal, each in a fresh process: 32 x 32 gradient 6.59 ms warm, first forward +
+            # first gradient 14.2 s; 64 x 64 10.55-10.69 ms and 18.4-18.8 s; 32 x 64 10.69 ms,
+            # 16.2 s; 64 x 64 with 8 warps 11.45 ms. (Why 64 x 64 is slower was not measured;
+            # spilled registers, three TF32 products per dot, are the likely cause.)
+            return BlockSizes(32, 32, num_warps=4, num_stages=1)
         if head_dim <= 64:
             return BlockSizes(64, 64, num_warps=4, num_stages=2)
         if head_dim <= 128:  # H100, B4 H16 T8192 causal: 4 warps 10.9 ms fwd+bwd, 8 warps 19.0 ms;
@@ -803,9 +806,9 @@ def _optimistic(dtype) -> bool:
     cache, attention_fp32's method): first forward + first gradient 35.0 s optimistic, 25.0 s not
     (forward 11.6 -> 10.4 s, gradient 23.4 -> 14.7 s); warm forward 2.25 -> 2.36 ms, gradient
     11.69 -> 11.38 ms; 8 warps and 1 stage 20.9 s cold but a 3.19 ms warm forward (not taken).
-    About 3.5 s of a first forward is an ``import torch`` that Triton's CUDA driver makes when
-    torch is installed. The recorded cold start, measured across machines as a fresh machine's
-    first process, is bench/results/attention_fp32.json's; it did not show the gain."""
+    (Those cold times still held an ``import torch`` by Triton's specialiser, since avoided:
+    ``launch._start_specializer_without_torch``.) The recorded cold start is
+    bench/results/attention_fp32.json's."""
     return jnp.dtype(dtype) != jnp.float32
 
 

@@ -113,3 +113,49 @@ def test_importing_triton_first_is_a_clear_error():
                             capture_output=True, text=True, env=env)
     assert result.returncode != 0
     assert "Import ejk_lite before triton" in result.stderr
+
+
+
+_SPECIALIZER_CHILD = r"""
+import sys, types
+import ejk_lite.launch as launch
+import triton._C.libtriton as libtriton
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import CUDABackend
+
+if sys.argv[1] == "imported":  # a program that imported torch first: left alone
+    import torch
+    launch._start_specializer_without_torch()
+    assert sys.modules["torch"] is torch
+    print("ok")
+    raise SystemExit
+launch._start_specializer_without_torch()
+# what jax-triton asks: a scalar, and an array-like known by its data_ptr (a pointer, 16-aligned)
+backend = CUDABackend(GPUTarget("cuda", 90, 32))
+assert libtriton.native_specialize_impl(backend, 7, False, True, True) == ("i32", "")
+array = types.SimpleNamespace(data_ptr=lambda: 64, dtype="fp32")
+assert libtriton.native_specialize_impl(backend, array, False, True, True) == ("*fp32", "D")
+assert "torch" not in sys.modules, "Triton's specialiser imported torch"
+import torch  # importable as before
+assert torch.FAKE
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("case", ["not imported", "imported"])
+def test_specializer_starts_without_torch(case, tmp_path):
+    """Triton's native specialiser imports torch on its first call (3.5 s and more of a first
+    compile where torch is installed): ejk_lite starts it with the import failing, and leaves a
+    process that imported torch itself alone. In a fresh process (the start happens once), with
+    a stand-in ``torch`` module on the path, so that the test means the same with or without
+    torch installed."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "torch.py").write_text("FAKE = True\nclass Tensor:\n    pass\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(tmp_path), os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    child = subprocess.run([sys.executable, "-c", _SPECIALIZER_CHILD, case.split()[0]],
+                           capture_output=True, text=True, timeout=120, env=env)
+    assert child.returncode == 0 and child.stdout.strip().endswith("ok"), child.stderr[-2000:]
