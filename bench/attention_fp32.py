@@ -11,7 +11,9 @@ Each run is a fresh process (empty Triton cache, no JAX compilation cache), and 
   and ``first_run`` (ptxas turning each kernel's PTX into machine code, then the run);
 * ``warm``: min / median / max device time of the forward and of the gradient (10 samples);
 * the relative error of the output and of dq, dk, dv against the float64 reference; the run
-  fails (exit 1) past 1e-5 (forward) or 1e-4 (gradients).
+  fails (exit 1) past 1e-5 (forward) or 1e-4 (gradients);
+* ``torch_imported``: whether the child had imported torch by its end (the device timer, through
+  Triton's driver, imports it after the cold phases: the phases show the comparison).
 
 The runs: each ``float32_dot`` with the shipped defaults, and two same-run comparisons for
 ``"tf32x3"``: ``torch_import`` lets Triton's specialiser import torch, as it did before

@@ -116,7 +116,8 @@ def spread(times_ms: list[float], calls: int = 1) -> dict[str, float]:
             "max_ms": float(max(per_call)), "samples": len(per_call), "calls_per_sample": calls}
 
 
-def time_stats_ms(fn: Callable[[], Any], samples: int = 10, warmup: int = 3) -> dict[str, float]:
+def time_stats_ms(fn: Callable[[], Any], samples: int = 10, warmup: int = 3,
+                  one_trace: bool = False) -> dict[str, float]:
     """min / median / max ms of one ``fn()`` over ``samples`` samples (see :func:`spread`).
 
     On a GPU, the device time of one call (:func:`device_samples_ms`). Without a GPU, the wall
@@ -124,7 +125,8 @@ def time_stats_ms(fn: Callable[[], Any], samples: int = 10, warmup: int = 3) -> 
     """
     jax.block_until_ready(fn())  # compile outside the measurement
     if ejk_lite.ON_GPU:
-        return spread(device_samples_ms(lambda: jax.block_until_ready(fn()), samples, warmup))
+        return spread(device_samples_ms(lambda: jax.block_until_ready(fn()), samples, warmup,
+                                        one_trace=one_trace))
     times = []
     for _ in range(samples):
         start = time.perf_counter()
@@ -134,7 +136,8 @@ def time_stats_ms(fn: Callable[[], Any], samples: int = 10, warmup: int = 3) -> 
 
 
 def device_samples_ms(run: Callable[[], Any], samples: int = 10, warmup: int = 3,
-                      grad_to_none: list[Any] | None = None) -> list[float]:
+                      grad_to_none: list[Any] | None = None, one_trace: bool = False
+                      ) -> list[float]:
     """``samples`` device times of ``run()`` in ms, each after an L2 flush: the durations of the
     kernels and copies the GPU ran during the call, as the profiler (CUPTI) saw them, summed.
 
@@ -144,6 +147,11 @@ def device_samples_ms(run: Callable[[], Any], samples: int = 10, warmup: int = 3
     The profiler sees JAX's kernels and torch's alike, so every implementation is timed the same
     way. ``run`` may return before its work is done: the device is synchronized before the
     trace stops. Sums leave out the gaps between the kernels of a call.
+
+    ``one_trace``: one profiler trace for all the samples instead of one each, split at the L2
+    flushes (torch's fill kernels, which the trace holds too). A trace's start and stop took
+    about 1.6 s in a process holding many compiled programs (bench/_ab_attention.py, H100):
+    longer than the samples themselves.
     """
     import tempfile
 
@@ -157,6 +165,8 @@ def device_samples_ms(run: Callable[[], Any], samples: int = 10, warmup: int = 3
     for _ in range(warmup):
         run()
     device.synchronize()
+    if one_trace:
+        return _one_trace_samples_ms(run, samples, driver, device, grad_to_none)
     times = []
     for _ in range(samples):
         for x in grad_to_none or ():
@@ -176,6 +186,39 @@ def device_samples_ms(run: Callable[[], Any], samples: int = 10, warmup: int = 3
         if busy == 0:
             raise RuntimeError("the profiler saw no GPU work: nothing to time")
         times.append(busy / 1e6)
+    return times
+
+
+def _one_trace_samples_ms(run: Callable[[], Any], samples: int, driver: Any, device: Any,
+                          grad_to_none: list[Any] | None) -> list[float]:
+    """``device_samples_ms(one_trace=True)``: the samples of one trace, split at the flushes."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        jax.profiler.start_trace(folder)
+        for _ in range(samples):
+            for x in grad_to_none or ():
+                x.grad = None
+            driver.clear_cache(_L2_FLUSH)
+            device.synchronize()
+            run()
+            device.synchronize()
+        jax.profiler.stop_trace()
+        (path,) = Path(folder).rglob("*.xplane.pb")
+        data = jax.profiler.ProfileData.from_file(str(path))
+    events = sorted(((event.start_ns, event.duration_ns, event.name) for plane in data.planes
+                     if plane.name.startswith("/device:GPU") for line in plane.lines
+                     if line.name.startswith("Stream") for event in line.events),
+                    key=lambda e: e[0])
+    times: list[float] = []
+    for _, duration, name in events:
+        if "FillFunctor" in name:  # torch's zero_(): the flush that starts a sample
+            times.append(0.0)
+        elif times:
+            times[-1] += duration / 1e6
+    if len(times) != samples or min(times) == 0:
+        raise RuntimeError(f"one trace: {len(times)} flushes for {samples} samples, or a sample "
+                           "without GPU work")
     return times
 
 
