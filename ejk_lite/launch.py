@@ -168,9 +168,10 @@ def _start_specializer_without_torch() -> None:
     jax-triton asks Triton's native specialiser (``libtriton.native_specialize_impl``) to type
     every kernel argument. Its first call imports ``torch``, to recognise ``torch.Tensor`` by
     type, and carries on without it when the import fails. Where torch is installed (Colab, our
-    GPU machine) that import was 3.5 s of every process's first compile, for a JAX program that
-    never passes a torch tensor (H100, triton 3.6.0, torch 2.11: a first float32 forward at
-    B2 Hq16 Hkv4 T2000 D128 spent 3.5 s of its 5.9 s lowering in it). So the first call is made
+    GPU machine) that import lengthened every process's first compile, for a JAX program that
+    never passes a torch tensor: on the H100 (triton 3.6.0, torch 2.11) a first float32 forward +
+    gradient of attention took 11.3 s without it and 13.6 s with it, the forward's lowering
+    2.05 s against 4.58 s (bench/results/attention_fp32.json). So the first call is made
     here, with the import made to fail (``sys.modules["torch"] = None`` is Python's documented
     way to do that), and torch is then importable again as before. A torch program that later
     launches Triton kernels in the same process still works: the specialiser recognises its
