@@ -159,3 +159,42 @@ def test_specializer_starts_without_torch(case, tmp_path):
     child = subprocess.run([sys.executable, "-c", _SPECIALIZER_CHILD, case.split()[0]],
                            capture_output=True, text=True, timeout=120, env=env)
     assert child.returncode == 0 and child.stdout.strip().endswith("ok"), child.stderr[-2000:]
+
+
+_TORCH_KERNEL_CHILD = r"""
+import ejk_lite.launch as launch
+launch._start_specializer_without_torch()  # as ejk_lite's first GPU compile does
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def double(x_ptr, y_ptr, N: tl.constexpr):
+    offsets = tl.arange(0, N)
+    tl.store(y_ptr + offsets, tl.load(x_ptr + offsets) * 2)
+
+
+x = torch.randn(64, device="cuda")
+y = torch.full_like(x, float("nan"))
+double[(1,)](x, y, N=64)
+torch.cuda.synchronize()
+assert torch.equal(y, x * 2), (x, y)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(INTERPRETER, reason="torch's Triton kernels need a GPU")
+def test_torch_triton_kernels_run_after_the_specializer_started_without_torch():
+    """The claim of ``_start_specializer_without_torch``: a torch program that launches Triton
+    kernels after ejk_lite's first compile, in the same process, still works (its tensors are
+    specialised as any array with a ``data_ptr``)."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("torch is not installed")
+    child = subprocess.run([sys.executable, "-c", _TORCH_KERNEL_CHILD], capture_output=True,
+                           text=True, timeout=300)
+    assert child.returncode == 0 and child.stdout.strip().endswith("ok"), child.stderr[-3000:]
