@@ -185,16 +185,19 @@ print("ok")
 
 
 @pytest.mark.skipif(INTERPRETER, reason="torch's Triton kernels need a GPU")
-def test_torch_triton_kernels_run_after_the_specializer_started_without_torch():
+def test_torch_triton_kernels_run_after_the_specializer_started_without_torch(tmp_path):
     """The claim of ``_start_specializer_without_torch``: a torch program that launches Triton
     kernels after ejk_lite's first compile, in the same process, still works (its tensors are
-    specialised as any array with a ``data_ptr``)."""
+    specialised as any array with a ``data_ptr``). The child is a file: ``@triton.jit`` reads
+    its kernel's source, which ``python -c`` does not keep."""
     import importlib.util
     import subprocess
     import sys
 
     if importlib.util.find_spec("torch") is None:
         pytest.skip("torch is not installed")
-    child = subprocess.run([sys.executable, "-c", _TORCH_KERNEL_CHILD], capture_output=True,
-                           text=True, timeout=300)
+    script = tmp_path / "torch_kernel_child.py"
+    script.write_text(_TORCH_KERNEL_CHILD)
+    child = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                           timeout=300)
     assert child.returncode == 0 and child.stdout.strip().endswith("ok"), child.stderr[-3000:]
