@@ -104,8 +104,11 @@ def run(src: pathlib.Path, out: str | None, reps: int) -> None:
     rounds = {key: [] for key in fns}
     for done in range(1, reps + 1):  # the file is rewritten after every round: a run cut short
         for key, f in fns.items():   # by a time limit keeps the rounds it finished
+            began = time.perf_counter()
             rounds[key].append(common.time_stats_ms(lambda: f(q, k, v), samples=10,
                                                     one_trace=True)["median_ms"])
+            if done == 1:  # where a round's time goes (a round once took over 140 s)
+                print(f"  {' '.join(key):28s} {time.perf_counter() - began:6.1f} s", flush=True)
         table = {}
         for (n, mask, direction), xs in rounds.items():
             table.setdefault(f"{mask} {direction}", {})[n] = {

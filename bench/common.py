@@ -149,9 +149,10 @@ def device_samples_ms(run: Callable[[], Any], samples: int = 10, warmup: int = 3
     trace stops. Sums leave out the gaps between the kernels of a call.
 
     ``one_trace``: one profiler trace for all the samples instead of one each, split at the L2
-    flushes (torch's fill kernels, which the trace holds too). A trace's start and stop took
-    about 1.6 s in a process holding many compiled programs (bench/_ab_attention.py, H100):
-    longer than the samples themselves.
+    flushes (torch's fill kernels, which the trace holds too). On the H100 (a small process:
+    .scratch probe, same run) both ways gave the same medians, 0.1790 / 0.1786 ms for an axpb
+    of 256 MiB and 0.9010 / 0.9015 ms for an attention forward, in 0.0-0.1 s instead of
+    0.2-5.5 s.
     """
     import tempfile
 
@@ -174,7 +175,7 @@ def device_samples_ms(run: Callable[[], Any], samples: int = 10, warmup: int = 3
         driver.clear_cache(_L2_FLUSH)
         device.synchronize()
         with tempfile.TemporaryDirectory() as folder:
-            jax.profiler.start_trace(folder)
+            jax.profiler.start_trace(folder, profiler_options=_profile_options())
             run()
             device.synchronize()
             jax.profiler.stop_trace()
@@ -189,13 +190,25 @@ def device_samples_ms(run: Callable[[], Any], samples: int = 10, warmup: int = 3
     return times
 
 
+def _profile_options() -> Any:
+    """What the device timer asks of the profiler: the GPU's activity, without the HLO of every
+    compiled program (JAX's default puts them all into each trace) and without tracing Python
+    calls (JAX's default traces them). In bench/_ab_attention.py, a process holding 18 compiled
+    attention programs, no round of 18 timings finished in 140 s, against 0.1-5.5 s for one
+    timing in a small process; these two defaults are the suspects, not yet measured apart."""
+    options = jax.profiler.ProfileOptions()
+    options.enable_hlo_proto = False
+    options.python_tracer_level = 0
+    return options
+
+
 def _one_trace_samples_ms(run: Callable[[], Any], samples: int, driver: Any, device: Any,
                           grad_to_none: list[Any] | None) -> list[float]:
     """``device_samples_ms(one_trace=True)``: the samples of one trace, split at the flushes."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as folder:
-        jax.profiler.start_trace(folder)
+        jax.profiler.start_trace(folder, profiler_options=_profile_options())
         for _ in range(samples):
             for x in grad_to_none or ():
                 x.grad = None
