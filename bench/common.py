@@ -149,10 +149,11 @@ def device_samples_ms(run: Callable[[], Any], samples: int = 10, warmup: int = 3
     trace stops. Sums leave out the gaps between the kernels of a call.
 
     ``one_trace``: one profiler trace for all the samples instead of one each, split at the L2
-    flushes (torch's fill kernels, which the trace holds too). On the H100 (a small process:
-    .scratch probe, same run) both ways gave the same medians, 0.1790 / 0.1786 ms for an axpb
-    of 256 MiB and 0.9010 / 0.9015 ms for an attention forward, in 0.0-0.1 s instead of
-    0.2-5.5 s.
+    flushes (torch's fill kernels, which the trace holds too): for JAX calls only, since a
+    ``run`` that launches torch fills of its own would split wrong (and raise). On the H100, in a
+    small process, both ways gave the same medians (0.1790 / 0.1786 ms for an axpb of 256 MiB,
+    0.9010 / 0.9015 ms for an attention forward; a probe, not recorded), in 0.0-0.1 s instead
+    of 0.2-5.5 s.
     """
     import tempfile
 

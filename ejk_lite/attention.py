@@ -114,9 +114,10 @@ class BlockSizes:
         """One config for both backward kernels (``bwd_blocks`` also takes a pair ``(dkv, dq)``)."""
         if jnp.dtype(dtype).itemsize >= 4:  # H100, float32 (tf32x3) B2 Hq16 Hkv4 T2000 D128
             # causal, same run (bench/results/attention_fp32.json): 32 x 32 gradient 6.71 ms
-            # warm, first forward + first gradient 11.3 s; 64 x 64 10.61 ms and 18.3 s. A probe:
-            # 32 x 64 10.69 ms, 64 x 64 with 8 warps 11.45 ms. (Why 64 x 64 is slower was not
-            # measured; spilled registers, three TF32 products per dot, are the likely cause.)
+            # warm, first forward + first gradient 11.3 s; 64 x 64 10.61 ms and 18.3 s. A
+            # probe (not recorded): 32 x 64 10.69 ms, 64 x 64 with 8 warps 11.45 ms. (Why
+            # 64 x 64 is slower was not measured; spilled registers, three TF32 products per
+            # dot, are the likely cause.)
             return BlockSizes(32, 32, num_warps=4, num_stages=1)
         if head_dim <= 64:
             return BlockSizes(64, 64, num_warps=4, num_stages=2)

@@ -39,6 +39,7 @@ a GPU.
 
 from __future__ import annotations
 
+import importlib.abc
 import os
 import sys
 import threading
@@ -145,21 +146,43 @@ def vary_like(values: Sequence[Any], *operands: Any) -> list[Any]:
     return out
 
 
+_JAX_TRITON_LOCK = threading.Lock()
+_specializer_started = False
+
+
 def _import_jax_triton():
-    """Import jax-triton (lazily: it needs a GPU jaxlib), keeping Triton's cache directory.
+    """Import jax-triton (lazily: it needs a GPU jaxlib), keeping Triton's cache directory, and
+    start Triton's specialiser without torch (once, under a lock: tracing may run in threads).
 
     jax-triton 0.3.1 sets ``TRITON_CACHE_DIR`` to ``""`` when imported; after that Triton's own
     runtime (``triton.testing.do_bench``, PyTorch Triton kernels in the same process) can no
     longer compile anything. Put back what was there, or Triton's default. (Measured on an H100
     with triton 3.6.0: jax-triton's launches work the same with the directory restored.)
     """
-    if "jax_triton" not in sys.modules:
-        cache_dir = os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
-        import jax_triton  # noqa: F401
+    global _specializer_started
+    with _JAX_TRITON_LOCK:
+        if "jax_triton" not in sys.modules:
+            cache_dir = os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
+            import jax_triton  # noqa: F401
 
-        os.environ["TRITON_CACHE_DIR"] = cache_dir
-        _start_specializer_without_torch()
+            os.environ["TRITON_CACHE_DIR"] = cache_dir
+        if not _specializer_started:  # also when the program imported jax-triton itself
+            _specializer_started = True
+            _start_specializer_without_torch()
     return sys.modules["jax_triton"]
+
+
+class _RefuseTorchInThisThread(importlib.abc.MetaPathFinder):
+    """An import hook under which ``import torch`` fails, in the thread that installed it only."""
+
+    def __init__(self) -> None:
+        self.thread = threading.get_ident()
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" and threading.get_ident() == self.thread:
+            raise ModuleNotFoundError("torch is hidden while Triton's specialiser starts (ejk_lite)",
+                                      name="torch")
+        return None
 
 
 def _start_specializer_without_torch() -> None:
@@ -171,27 +194,32 @@ def _start_specializer_without_torch() -> None:
     GPU machine) that import lengthened every process's first compile, for a JAX program that
     never passes a torch tensor: on the H100 (triton 3.6.0, torch 2.11) a first float32 forward +
     gradient of attention took 11.3 s without it and 13.6 s with it, the forward's lowering
-    2.05 s against 4.58 s (bench/results/attention_fp32.json). So the first call is made
-    here, with the import made to fail (``sys.modules["torch"] = None`` is Python's documented
-    way to do that), and torch is then importable again as before. A torch program that later
-    launches Triton kernels in the same process still works: the specialiser recognises its
-    tensors as it does any array with a ``data_ptr``, a few type checks later.
+    2.05 s against 4.58 s (bench/results/attention_fp32.json). So the first call is made here,
+    with ``import torch`` made to fail in this thread only (other threads import as usual), and
+    torch is importable again as soon as the call returns. A torch program that later launches
+    Triton kernels in the same process still works: the specialiser recognises its tensors as it
+    does any array with a ``data_ptr``, a few type checks later (tests/test_launch.py runs one on
+    a GPU). Only on Triton 3.6, whose call was checked: none of the modules it imports on the
+    way keeps the failed import (one that did would hold ``torch = None`` for good); another
+    version's might.
     """
     if "torch" in sys.modules:  # already paid for: let Triton use it
+        return
+    if not triton.__version__.startswith("3.6."):
         return
     import triton._C.libtriton as libtriton
 
     start = getattr(libtriton, "native_specialize_impl", None)
-    if start is None:  # another Triton: leave it alone
+    if start is None:
         return
-    sys.modules["torch"] = None  # type: ignore[assignment]
+    hook = _RefuseTorchInThisThread()
+    sys.meta_path.insert(0, hook)
     try:
         start(None, 2, False, True, True)  # any int: only the one-time set-up matters
     except Exception:  # noqa: BLE001 (a Triton that rejects this call sets itself up later)
         pass
     finally:
-        if sys.modules.get("torch", 0) is None:
-            del sys.modules["torch"]
+        sys.meta_path.remove(hook)
 
 
 # ----------------------------------------------------------------------------------------------
