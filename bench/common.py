@@ -155,8 +155,6 @@ def device_samples_ms(run: Callable[[], Any], samples: int = 10, warmup: int = 3
     0.9010 / 0.9015 ms for an attention forward; a probe, not recorded), in 0.0-0.1 s instead
     of 0.2-5.5 s.
     """
-    import tempfile
-
     global _L2_FLUSH
     from triton import runtime
 
@@ -167,28 +165,52 @@ def device_samples_ms(run: Callable[[], Any], samples: int = 10, warmup: int = 3
     for _ in range(warmup):
         run()
     device.synchronize()
-    if one_trace:
-        return _one_trace_samples_ms(run, samples, driver, device, grad_to_none)
-    times = []
-    for _ in range(samples):
+
+    def flush() -> None:  # before every sample: a cold L2, and the device idle
         for x in grad_to_none or ():
             x.grad = None
         driver.clear_cache(_L2_FLUSH)
         device.synchronize()
-        with tempfile.TemporaryDirectory() as folder:
-            jax.profiler.start_trace(folder, profiler_options=_profile_options())
-            run()
-            device.synchronize()
-            jax.profiler.stop_trace()
-            (path,) = Path(folder).rglob("*.xplane.pb")
-            data = jax.profiler.ProfileData.from_file(str(path))
-        busy = sum(event.duration_ns for plane in data.planes
-                   if plane.name.startswith("/device:GPU") for line in plane.lines
-                   if line.name.startswith("Stream") for event in line.events)
+
+    def call() -> None:
+        run()
+        device.synchronize()
+
+    if one_trace:
+        times: list[float] = []
+        for _, duration, name in _gpu_events(lambda: [(flush(), call()) for _ in range(samples)]):
+            if "FillFunctor" in name:  # torch's zero_(): the flush that starts a sample
+                times.append(0.0)
+            elif times:
+                times[-1] += duration / 1e6
+        if len(times) != samples or min(times) == 0:
+            raise RuntimeError(f"one trace: {len(times)} flushes for {samples} samples, or a "
+                               "sample without GPU work")
+        return times
+    times = []
+    for _ in range(samples):
+        flush()
+        busy = sum(duration for _, duration, _ in _gpu_events(call))
         if busy == 0:
             raise RuntimeError("the profiler saw no GPU work: nothing to time")
         times.append(busy / 1e6)
     return times
+
+
+def _gpu_events(body: Callable[[], Any]) -> list[tuple[int, int, str]]:
+    """``(start_ns, duration_ns, name)`` of every kernel and copy the GPU ran during ``body()``,
+    in order of start, as one profiler trace recorded them (``body`` must synchronize)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        jax.profiler.start_trace(folder, profiler_options=_profile_options())
+        body()
+        jax.profiler.stop_trace()
+        (path,) = Path(folder).rglob("*.xplane.pb")
+        data = jax.profiler.ProfileData.from_file(str(path))
+    return sorted(((event.start_ns, event.duration_ns, event.name) for plane in data.planes
+                   if plane.name.startswith("/device:GPU") for line in plane.lines
+                   if line.name.startswith("Stream") for event in line.events))
 
 
 def _profile_options() -> Any:
@@ -201,39 +223,6 @@ def _profile_options() -> Any:
     options.enable_hlo_proto = False
     options.python_tracer_level = 0
     return options
-
-
-def _one_trace_samples_ms(run: Callable[[], Any], samples: int, driver: Any, device: Any,
-                          grad_to_none: list[Any] | None) -> list[float]:
-    """``device_samples_ms(one_trace=True)``: the samples of one trace, split at the flushes."""
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as folder:
-        jax.profiler.start_trace(folder, profiler_options=_profile_options())
-        for _ in range(samples):
-            for x in grad_to_none or ():
-                x.grad = None
-            driver.clear_cache(_L2_FLUSH)
-            device.synchronize()
-            run()
-            device.synchronize()
-        jax.profiler.stop_trace()
-        (path,) = Path(folder).rglob("*.xplane.pb")
-        data = jax.profiler.ProfileData.from_file(str(path))
-    events = sorted(((event.start_ns, event.duration_ns, event.name) for plane in data.planes
-                     if plane.name.startswith("/device:GPU") for line in plane.lines
-                     if line.name.startswith("Stream") for event in line.events),
-                    key=lambda e: e[0])
-    times: list[float] = []
-    for _, duration, name in events:
-        if "FillFunctor" in name:  # torch's zero_(): the flush that starts a sample
-            times.append(0.0)
-        elif times:
-            times[-1] += duration / 1e6
-    if len(times) != samples or min(times) == 0:
-        raise RuntimeError(f"one trace: {len(times)} flushes for {samples} samples, or a sample "
-                           "without GPU work")
-    return times
 
 
 def device_median_ms(fn: Callable[[], Any]) -> float:
