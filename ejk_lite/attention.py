@@ -192,6 +192,25 @@ def _any_not_finite(x):
 
 
 @triton.jit
+def _not_yet(ROWS: tl.constexpr, COLS: tl.constexpr):
+    """An accumulator that holds no result yet: NaN, so that ``_any_not_finite`` asks for a run.
+
+    _rerun, the one call site of each kernel's partial tiles::
+
+        acc = _not_yet(...)
+        for attempt in tl.static_range(1 + OPTIMISTIC):
+            if _any_not_finite(acc):
+                acc = <the tiles>(..., SAFE=attempt == OPTIMISTIC)
+
+    The first attempt always runs (its ``acc`` is NaN): 16-bit inputs (``OPTIMISTIC``) run it
+    without NaN containment, float32 with it. For 16-bit inputs a second attempt, with
+    containment, runs only where the first left a NaN or an inf (see ``_any_not_finite``); the
+    last attempt is always the safe one. ``static_range`` unrolls the loop: the compiled kernel
+    is the one two call sites gave, written once."""
+    return tl.full([ROWS, COLS], float("nan"), tl.float32)
+
+
+@triton.jit
 def _logits(q, k, offs_m, offs_n, bias_base, stride_bt, stride_bs, SCALE: tl.constexpr,
             SOFT_CAP: tl.constexpr, T, S, USE_SOFTCAP: tl.constexpr,
             HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -403,15 +422,10 @@ def _attention_fwd_kernel(
     n_full = _clamp(tl.load(full_count_ptr + row), n_kv_blocks)
     acc0, m0, l0 = acc, m_i, l_i
     partial_list = partial_index_ptr + row.to(tl.int64) * n_kv_blocks
-    acc, m_i, l_i = _fwd_tiles(
-        acc0, m0, l0, q, offs_m, q_seg, q_pos, partial_list, n_partial, n_kv_blocks,
-        k_base, v_base, ids_base, stride_kind, mask_base, bias_base, stride_bt, stride_bs,
-        window_left, window_right, window2_left, window2_right, T, S, SCALE, SOFT_CAP, D,
-        DV, BD, BDV, BK, True, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK,
-        CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP,
-        DOT_PRECISION, EVEN_S, not OPTIMISTIC)
-    if OPTIMISTIC:  # a constexpr, 16-bit only: float32 ran SAFE above
-        if _any_not_finite(acc):  # rare: contain it (see _any_not_finite)
+    # The partial tiles, under _rerun (see there): acc starts as "no result yet".
+    acc = _not_yet(BQ, BDV)
+    for attempt in tl.static_range(1 + OPTIMISTIC):
+        if _any_not_finite(acc):
             acc, m_i, l_i = _fwd_tiles(
                 acc0, m0, l0, q, offs_m, q_seg, q_pos, partial_list, n_partial,
                 n_kv_blocks, k_base, v_base, ids_base, stride_kind, mask_base, bias_base,
@@ -419,7 +433,7 @@ def _attention_fwd_kernel(
                 window2_right, T, S, SCALE, SOFT_CAP, D, DV, BD, BDV, BK, True,
                 HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2,
                 HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP,
-                DOT_PRECISION, EVEN_S, True)
+                DOT_PRECISION, EVEN_S, attempt == OPTIMISTIC)
     acc, m_i, l_i = _fwd_tiles(
         acc, m_i, l_i, q, offs_m, q_seg, q_pos,
         full_index_ptr + row.to(tl.int64) * n_kv_blocks, n_full, n_kv_blocks, k_base,
@@ -605,21 +619,13 @@ def _attention_dkv_kernel(
     v = tl.load(v_ptr + i_bkv64 * S * DV + offs_n[:, None] * DV + offs_dv[None, :],
                 mask=in_kv[:, None] & (offs_dv < DV)[None, :], other=0.0)
     ids_base = ids_ptr + i_b * stride_ids_b
-    # 16-bit: optimistically, then once more with NaN contained if dK shows a NaN or
-    # an inf (see _any_not_finite); float32: contained from the start. The rerun takes
-    # all query heads again, from zero: a copy of dK kept for a rerun of one head's
-    # partial tiles held registers and cost 5 % of a forward + backward (H100).
-    dk, dv = _dkv_heads(
-        k, v, offs_n, i_b, i_kvh, i_n, q_ptr, do_ptr, lse_ptr, delta_ptr, ids_base,
-        token_mask_ptr, bias_ptr, t_partial_count_ptr, t_partial_index_ptr,
-        t_full_count_ptr, t_full_index_ptr, window_left, window_right, window2_left,
-        window2_right, T, S, n_q_blocks, n_kv_blocks, stride_kind, stride_mask_b,
-        stride_mask_h, stride_bb, stride_bh, stride_bt, stride_bs, stride_bm_b,
-        stride_bm_h, SCALE, SOFT_CAP, H, G, D, DV, BD, BDV, BQ, BK, HAS_SEGMENTS,
-        IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2,
-        HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP, DOT_PRECISION, EVEN_S, not OPTIMISTIC)
-    if OPTIMISTIC:  # a constexpr, 16-bit only: float32 ran SAFE above
-        if _any_not_finite(dk):  # rare
+    # Every query head's partial and full tiles, under _rerun (see there): dK starts as "no
+    # result yet". The rerun takes all query heads again, from zero: a copy of dK kept for a
+    # rerun of one head's partial tiles held registers and cost 5 % of a forward + backward
+    # (H100).
+    dk, dv = _not_yet(BK, BD), tl.zeros([BK, BDV], tl.float32)
+    for attempt in tl.static_range(1 + OPTIMISTIC):
+        if _any_not_finite(dk):
             dk, dv = _dkv_heads(
                 k, v, offs_n, i_b, i_kvh, i_n, q_ptr, do_ptr, lse_ptr, delta_ptr,
                 ids_base, token_mask_ptr, bias_ptr, t_partial_count_ptr,
@@ -629,7 +635,7 @@ def _attention_dkv_kernel(
                 stride_bt, stride_bs, stride_bm_b, stride_bm_h, SCALE, SOFT_CAP, H, G, D,
                 DV, BD, BDV, BQ, BK, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK,
                 CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP,
-                DOT_PRECISION, EVEN_S, True)
+                DOT_PRECISION, EVEN_S, attempt == OPTIMISTIC)
     kv_rows = in_kv[:, None]
     tl.store(dk_ptr + i_bkv64 * S * D + offs_n[:, None] * D + offs_d[None, :],
              (dk * SCALE).to(dk_ptr.dtype.element_ty),
@@ -714,21 +720,17 @@ def _attention_dq_kernel(
     n_full = _clamp(tl.load(full_count_ptr + row), n_kv_blocks)
     dq0 = dq
     partial_list = partial_index_ptr + row.to(tl.int64) * n_kv_blocks
-    dq = _dq_tiles(dq0, q, do, lse, delta, offs_m, q_seg, q_pos, partial_list, n_partial,
-                   n_kv_blocks, k_base, v_base, ids_base, stride_kind, mask_base, bias_base,
-                   dbias_base, stride_bt, stride_bs, window_left, window_right, window2_left,
-                   window2_right, T, S, SCALE, SOFT_CAP, D, DV, BD, BDV, BK, True, HAS_SEGMENTS,
-                   IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2,
-                   HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP, DOT_PRECISION, EVEN_S, not OPTIMISTIC)
-    if OPTIMISTIC:  # a constexpr, 16-bit only: float32 ran SAFE above
-        if _any_not_finite(dq):  # rare: contain it (see _any_not_finite)
+    dq = _not_yet(BQ, BD)  # the partial tiles, under _rerun (see there)
+    for attempt in tl.static_range(1 + OPTIMISTIC):
+        if _any_not_finite(dq):
             dq = _dq_tiles(
                 dq0, q, do, lse, delta, offs_m, q_seg, q_pos, partial_list, n_partial,
                 n_kv_blocks, k_base, v_base, ids_base, stride_kind, mask_base, bias_base,
                 dbias_base, stride_bt, stride_bs, window_left, window_right, window2_left,
                 window2_right, T, S, SCALE, SOFT_CAP, D, DV, BD, BDV, BK, True, HAS_SEGMENTS,
                 IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2,
-                HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP, DOT_PRECISION, EVEN_S, True)
+                HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP, DOT_PRECISION, EVEN_S,
+                attempt == OPTIMISTIC)
     dq = _dq_tiles(dq, q, do, lse, delta, offs_m, q_seg, q_pos,
                    full_index_ptr + row.to(tl.int64) * n_kv_blocks, n_full, n_kv_blocks,
                    k_base, v_base, ids_base, stride_kind, mask_base, bias_base, dbias_base,
