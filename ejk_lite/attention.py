@@ -187,27 +187,30 @@ def _any_not_finite(x):
     forward: the selects in every partial tile 1.469, with a per-block flag computed by XLA
     1.359, this 1.227-1.294, none at all 1.157-1.281 (run-to-run spread). The price is a second
     copy of the partial-tile loop in each kernel (compile time). float32 runs them with ``SAFE``
-    from the start, and has no second copy."""
+    from the start, and has no second copy. ``_attempt_runs`` is where the kernels ask."""
     return tl.max(tl.max(tl.where(_finite(x), 0, 1), 1), 0) > 0
 
 
 @triton.jit
-def _not_yet(ROWS: tl.constexpr, COLS: tl.constexpr):
-    """An accumulator that holds no result yet: NaN, so that ``_any_not_finite`` asks for a run.
+def _attempt_runs(acc, FIRST: tl.constexpr):
+    """Whether an attempt at the partial tiles runs: the first always, a later one only where the
+    attempt before left a NaN or an inf in its accumulator ``acc`` (see ``_any_not_finite``).
 
-    _rerun, the one call site of each kernel's partial tiles::
+    The one call site of each kernel's partial tiles::
 
-        acc = _not_yet(...)
         for attempt in tl.static_range(1 + OPTIMISTIC):
-            if _any_not_finite(acc):
-                acc = <the tiles>(..., SAFE=attempt == OPTIMISTIC)
+            if _attempt_runs(acc, attempt == 0):
+                acc = <the tiles>(acc0, ..., SAFE=attempt == OPTIMISTIC)
 
-    The first attempt always runs (its ``acc`` is NaN): 16-bit inputs (``OPTIMISTIC``) run it
-    without NaN containment, float32 with it. For 16-bit inputs a second attempt, with
-    containment, runs only where the first left a NaN or an inf (see ``_any_not_finite``); the
-    last attempt is always the safe one. ``static_range`` unrolls the loop: the compiled kernel
-    is the one two call sites gave, written once."""
-    return tl.full([ROWS, COLS], float("nan"), tl.float32)
+    16-bit inputs (``OPTIMISTIC``) run the first attempt without NaN containment and, where it
+    shows a NaN or an inf, a second with it; float32 runs one attempt, with it. The last attempt
+    is always the safe one. ``FIRST`` is a constexpr, so the first attempt compiles with no test
+    and no branch, and ``static_range`` unrolls the loop: the kernel compiles to what a call and
+    a guarded second call gave."""
+    if FIRST:
+        return True
+    else:
+        return _any_not_finite(acc)
 
 
 @triton.jit
@@ -422,10 +425,8 @@ def _attention_fwd_kernel(
     n_full = _clamp(tl.load(full_count_ptr + row), n_kv_blocks)
     acc0, m0, l0 = acc, m_i, l_i
     partial_list = partial_index_ptr + row.to(tl.int64) * n_kv_blocks
-    # The partial tiles, under _rerun (see there): acc starts as "no result yet".
-    acc = _not_yet(BQ, BDV)
-    for attempt in tl.static_range(1 + OPTIMISTIC):
-        if _any_not_finite(acc):
+    for attempt in tl.static_range(1 + OPTIMISTIC):  # the partial tiles: _attempt_runs
+        if _attempt_runs(acc, attempt == 0):
             acc, m_i, l_i = _fwd_tiles(
                 acc0, m0, l0, q, offs_m, q_seg, q_pos, partial_list, n_partial,
                 n_kv_blocks, k_base, v_base, ids_base, stride_kind, mask_base, bias_base,
@@ -619,13 +620,12 @@ def _attention_dkv_kernel(
     v = tl.load(v_ptr + i_bkv64 * S * DV + offs_n[:, None] * DV + offs_dv[None, :],
                 mask=in_kv[:, None] & (offs_dv < DV)[None, :], other=0.0)
     ids_base = ids_ptr + i_b * stride_ids_b
-    # Every query head's partial and full tiles, under _rerun (see there): dK starts as "no
-    # result yet". The rerun takes all query heads again, from zero: a copy of dK kept for a
-    # rerun of one head's partial tiles held registers and cost 5 % of a forward + backward
-    # (H100).
-    dk, dv = _not_yet(BK, BD), tl.zeros([BK, BDV], tl.float32)
+    # Every query head's partial and full tiles, attempted as _attempt_runs says. A second
+    # attempt takes all query heads again, from zero: a copy of dK kept for a rerun of one
+    # head's partial tiles held registers and cost 5 % of a forward + backward (H100).
+    dk, dv = tl.zeros([BK, BD], tl.float32), tl.zeros([BK, BDV], tl.float32)
     for attempt in tl.static_range(1 + OPTIMISTIC):
-        if _any_not_finite(dk):
+        if _attempt_runs(dk, attempt == 0):
             dk, dv = _dkv_heads(
                 k, v, offs_n, i_b, i_kvh, i_n, q_ptr, do_ptr, lse_ptr, delta_ptr,
                 ids_base, token_mask_ptr, bias_ptr, t_partial_count_ptr,
@@ -720,9 +720,8 @@ def _attention_dq_kernel(
     n_full = _clamp(tl.load(full_count_ptr + row), n_kv_blocks)
     dq0 = dq
     partial_list = partial_index_ptr + row.to(tl.int64) * n_kv_blocks
-    dq = _not_yet(BQ, BD)  # the partial tiles, under _rerun (see there)
-    for attempt in tl.static_range(1 + OPTIMISTIC):
-        if _any_not_finite(dq):
+    for attempt in tl.static_range(1 + OPTIMISTIC):  # the partial tiles: _attempt_runs
+        if _attempt_runs(dq, attempt == 0):
             dq = _dq_tiles(
                 dq0, q, do, lse, delta, offs_m, q_seg, q_pos, partial_list, n_partial,
                 n_kv_blocks, k_base, v_base, ids_base, stride_kind, mask_base, bias_base,
