@@ -188,8 +188,30 @@ def _any_not_finite(x):
     forward: the selects in every partial tile 1.469, with a per-block flag computed by XLA
     1.359, this 1.227-1.294, none at all 1.157-1.281 (run-to-run spread). The price is a second
     copy of the partial-tile loop in each kernel (compile time). float32 runs them with ``SAFE``
-    from the start, and has no second copy."""
+    from the start, and has no second copy. ``_attempt_runs`` is where the kernels ask."""
     return tl.max(tl.max(tl.where(_finite(x), 0, 1), 1), 0) > 0
+
+
+@triton.jit
+def _attempt_runs(acc, FIRST: tl.constexpr):
+    """Whether an attempt at the partial tiles runs: the first always, a later one only where the
+    attempt before left a NaN or an inf in its accumulator ``acc`` (see ``_any_not_finite``).
+
+    The one call site of each kernel's partial tiles::
+
+        for attempt in tl.static_range(1 + OPTIMISTIC):
+            if _attempt_runs(acc, attempt == 0):
+                acc = <the tiles>(acc0, ..., SAFE=attempt == OPTIMISTIC)
+
+    16-bit inputs (``OPTIMISTIC``) run the first attempt without NaN containment and, where it
+    shows a NaN or an inf, a second with it; float32 runs one attempt, with it. The last attempt
+    is always the safe one. ``FIRST`` is a constexpr, so the first attempt compiles with no test
+    and no branch, and ``static_range`` unrolls the loop: the kernel compiles to what a call and
+    a guarded second call gave."""
+    if FIRST:
+        return True
+    else:
+        return _any_not_finite(acc)
 
 
 @triton.jit
@@ -404,15 +426,8 @@ def _attention_fwd_kernel(
     n_full = _clamp(tl.load(full_count_ptr + row), n_kv_blocks)
     acc0, m0, l0 = acc, m_i, l_i
     partial_list = partial_index_ptr + row.to(tl.int64) * n_kv_blocks
-    acc, m_i, l_i = _fwd_tiles(
-        acc0, m0, l0, q, offs_m, q_seg, q_pos, partial_list, n_partial, n_kv_blocks,
-        k_base, v_base, ids_base, stride_kind, mask_base, bias_base, stride_bt, stride_bs,
-        window_left, window_right, window2_left, window2_right, T, S, SCALE, SOFT_CAP, D,
-        DV, BD, BDV, BK, True, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK,
-        CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP,
-        DOT_PRECISION, EVEN_S, not OPTIMISTIC)
-    if OPTIMISTIC:  # a constexpr, 16-bit only: float32 ran SAFE above
-        if _any_not_finite(acc):  # rare: contain it (see _any_not_finite)
+    for attempt in tl.static_range(1 + OPTIMISTIC):  # the partial tiles: _attempt_runs
+        if _attempt_runs(acc, attempt == 0):
             acc, m_i, l_i = _fwd_tiles(
                 acc0, m0, l0, q, offs_m, q_seg, q_pos, partial_list, n_partial,
                 n_kv_blocks, k_base, v_base, ids_base, stride_kind, mask_base, bias_base,
@@ -420,7 +435,7 @@ def _attention_fwd_kernel(
                 window2_right, T, S, SCALE, SOFT_CAP, D, DV, BD, BDV, BK, True,
                 HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2,
                 HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP,
-                DOT_PRECISION, EVEN_S, True)
+                DOT_PRECISION, EVEN_S, attempt == OPTIMISTIC)
     acc, m_i, l_i = _fwd_tiles(
         acc, m_i, l_i, q, offs_m, q_seg, q_pos,
         full_index_ptr + row.to(tl.int64) * n_kv_blocks, n_full, n_kv_blocks, k_base,
@@ -606,21 +621,12 @@ def _attention_dkv_kernel(
     v = tl.load(v_ptr + i_bkv64 * S * DV + offs_n[:, None] * DV + offs_dv[None, :],
                 mask=in_kv[:, None] & (offs_dv < DV)[None, :], other=0.0)
     ids_base = ids_ptr + i_b * stride_ids_b
-    # 16-bit: optimistically, then once more with NaN contained if dK shows a NaN or
-    # an inf (see _any_not_finite); float32: contained from the start. The rerun takes
-    # all query heads again, from zero: a copy of dK kept for a rerun of one head's
-    # partial tiles held registers and cost 5 % of a forward + backward (H100).
-    dk, dv = _dkv_heads(
-        k, v, offs_n, i_b, i_kvh, i_n, q_ptr, do_ptr, lse_ptr, delta_ptr, ids_base,
-        token_mask_ptr, bias_ptr, t_partial_count_ptr, t_partial_index_ptr,
-        t_full_count_ptr, t_full_index_ptr, window_left, window_right, window2_left,
-        window2_right, T, S, n_q_blocks, n_kv_blocks, stride_kind, stride_mask_b,
-        stride_mask_h, stride_bb, stride_bh, stride_bt, stride_bs, stride_bm_b,
-        stride_bm_h, SCALE, SOFT_CAP, H, G, D, DV, BD, BDV, BQ, BK, HAS_SEGMENTS,
-        IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2,
-        HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP, DOT_PRECISION, EVEN_S, not OPTIMISTIC)
-    if OPTIMISTIC:  # a constexpr, 16-bit only: float32 ran SAFE above
-        if _any_not_finite(dk):  # rare
+    # Every query head's partial and full tiles, attempted as _attempt_runs says. A second
+    # attempt takes all query heads again, from zero: a copy of dK kept for a rerun of one
+    # head's partial tiles held registers and cost 5 % of a forward + backward (H100).
+    dk, dv = tl.zeros([BK, BD], tl.float32), tl.zeros([BK, BDV], tl.float32)
+    for attempt in tl.static_range(1 + OPTIMISTIC):
+        if _attempt_runs(dk, attempt == 0):
             dk, dv = _dkv_heads(
                 k, v, offs_n, i_b, i_kvh, i_n, q_ptr, do_ptr, lse_ptr, delta_ptr,
                 ids_base, token_mask_ptr, bias_ptr, t_partial_count_ptr,
@@ -630,7 +636,7 @@ def _attention_dkv_kernel(
                 stride_bt, stride_bs, stride_bm_b, stride_bm_h, SCALE, SOFT_CAP, H, G, D,
                 DV, BD, BDV, BQ, BK, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK,
                 CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP,
-                DOT_PRECISION, EVEN_S, True)
+                DOT_PRECISION, EVEN_S, attempt == OPTIMISTIC)
     kv_rows = in_kv[:, None]
     tl.store(dk_ptr + i_bkv64 * S * D + offs_n[:, None] * D + offs_d[None, :],
              (dk * SCALE).to(dk_ptr.dtype.element_ty),
@@ -715,21 +721,16 @@ def _attention_dq_kernel(
     n_full = _clamp(tl.load(full_count_ptr + row), n_kv_blocks)
     dq0 = dq
     partial_list = partial_index_ptr + row.to(tl.int64) * n_kv_blocks
-    dq = _dq_tiles(dq0, q, do, lse, delta, offs_m, q_seg, q_pos, partial_list, n_partial,
-                   n_kv_blocks, k_base, v_base, ids_base, stride_kind, mask_base, bias_base,
-                   dbias_base, stride_bt, stride_bs, window_left, window_right, window2_left,
-                   window2_right, T, S, SCALE, SOFT_CAP, D, DV, BD, BDV, BK, True, HAS_SEGMENTS,
-                   IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2,
-                   HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP, DOT_PRECISION, EVEN_S, not OPTIMISTIC)
-    if OPTIMISTIC:  # a constexpr, 16-bit only: float32 ran SAFE above
-        if _any_not_finite(dq):  # rare: contain it (see _any_not_finite)
+    for attempt in tl.static_range(1 + OPTIMISTIC):  # the partial tiles: _attempt_runs
+        if _attempt_runs(dq, attempt == 0):
             dq = _dq_tiles(
                 dq0, q, do, lse, delta, offs_m, q_seg, q_pos, partial_list, n_partial,
                 n_kv_blocks, k_base, v_base, ids_base, stride_kind, mask_base, bias_base,
                 dbias_base, stride_bt, stride_bs, window_left, window_right, window2_left,
                 window2_right, T, S, SCALE, SOFT_CAP, D, DV, BD, BDV, BK, True, HAS_SEGMENTS,
                 IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2,
-                HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP, DOT_PRECISION, EVEN_S, True)
+                HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP, DOT_PRECISION, EVEN_S,
+                attempt == OPTIMISTIC)
     dq = _dq_tiles(dq, q, do, lse, delta, offs_m, q_seg, q_pos,
                    full_index_ptr + row.to(tl.int64) * n_kv_blocks, n_full, n_kv_blocks,
                    k_base, v_base, ids_base, stride_kind, mask_base, bias_base, dbias_base,
