@@ -179,39 +179,21 @@ def _any_not_finite(x):
     """Whether a tile holds a NaN or an inf.
 
     NaN containment: a NaN or an inf in v (forward), q (dK) or k (dQ) must not reach, as p = 0
-    times NaN, the rows that cannot see it. With 16-bit inputs (``OPTIMISTIC``, see
-    ``_optimistic``) each kernel runs its partial tiles without the selects that prevent that
-    (``SAFE=False``), then checks its accumulator once: a leak always shows there (0 times NaN
-    is NaN), and without one the optimistic result is exact. Only if it holds a NaN or an inf (a
-    leak, or a true NaN of a row that sees one) are the tiles run again with ``SAFE``, from the
-    same start. H100, bf16 B4 H16 T8192 D128, same process, medians in ms, documents mask,
-    forward: the selects in every partial tile 1.469, with a per-block flag computed by XLA
-    1.359, this 1.227-1.294, none at all 1.157-1.281 (run-to-run spread). The price is a second
-    copy of the partial-tile loop in each kernel (compile time). float32 runs them with ``SAFE``
-    from the start, and has no second copy. ``_attempt_runs`` is where the kernels ask."""
+    times NaN, the rows that cannot see it. The selects that prevent that (``SAFE``) cost time in
+    every partial tile. With 16-bit inputs (``OPTIMISTIC``, see ``_optimistic``) each kernel runs
+    its partial tiles without them and checks its accumulator once: a leak always shows there (0
+    times NaN is NaN), and without one the optimistic result is exact. It stores the answer as a
+    flag per program, and a second launch (``RETRY``, see ``_launch``) runs the flagged programs
+    again with ``SAFE``, into the same outputs: where a NaN or an inf showed (a leak, or a true
+    NaN of a row that sees one). float32 runs ``SAFE`` from the start, in one launch.
+
+    Why a second launch and not a second attempt inside the kernel, which this code did first:
+    the attempt was never taken, yet its code made the compiler spill registers in the optimistic
+    path too (sm_90, bf16 D128 documents mask, bytes of spill stores: forward 928 against 108
+    without the attempt, dK/dV 2256 against 1348, dQ 772 against 336), and cost time (H100, same
+    process, device time, median of 6 rounds: documents forward 0.924 against 0.845 ms without
+    it; forward + backward 3.335 against 3.043 ms; bench/_ab_attention.py)."""
     return tl.max(tl.max(tl.where(_finite(x), 0, 1), 1), 0) > 0
-
-
-@triton.jit
-def _attempt_runs(acc, FIRST: tl.constexpr):
-    """Whether an attempt at the partial tiles runs: the first always, a later one only where the
-    attempt before left a NaN or an inf in its accumulator ``acc`` (see ``_any_not_finite``).
-
-    The one call site of each kernel's partial tiles::
-
-        for attempt in tl.static_range(1 + OPTIMISTIC):
-            if _attempt_runs(acc, attempt == 0):
-                acc = <the tiles>(acc0, ..., SAFE=attempt == OPTIMISTIC)
-
-    16-bit inputs (``OPTIMISTIC``) run the first attempt without NaN containment and, where it
-    shows a NaN or an inf, a second with it; float32 runs one attempt, with it. The last attempt
-    is always the safe one. ``FIRST`` is a constexpr, so the first attempt compiles with no test
-    and no branch, and ``static_range`` unrolls the loop: the kernel compiles to what a call and
-    a guarded second call gave."""
-    if FIRST:
-        return True
-    else:
-        return _any_not_finite(acc)
 
 
 @triton.jit
@@ -368,7 +350,8 @@ def _fwd_tiles(acc, m_i, l_i, q, offs_m, q_seg, q_pos, list_ptr, count, n_blocks
 
 
 @triton.jit
-def _attention_fwd_kernel(
+def _fwd_program(
+    i_m, i_bh,  # this program: query block, (batch, head)
     # inputs
     q_ptr, k_ptr, v_ptr, ids_ptr, token_mask_ptr, bias_ptr, sink_ptr,
     partial_count_ptr, partial_index_ptr, full_count_ptr, full_index_ptr,
@@ -386,12 +369,9 @@ def _attention_fwd_kernel(
     CLAUSE2: tl.constexpr, HAS_SEGMENTS2: tl.constexpr, IS_CAUSAL2: tl.constexpr,
     HAS_WINDOW2: tl.constexpr, HAS_BIAS: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, EVEN_S: tl.constexpr, OPTIMISTIC: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, EVEN_S: tl.constexpr, SAFE: tl.constexpr,
 ):
-    # Query blocks in reverse order: under a causal mask the last blocks have the most
-    # work; they start first, so the short ones fill the gaps at the end.
-    i_m = n_q_blocks - 1 - tl.program_id(0)
-    i_bh = tl.program_id(1)
+    """One query block of one head: ``o`` and ``lse`` stored; its accumulator returned."""
     i_b, i_h = i_bh // H, i_bh % H
     i_bh64 = i_bh.to(tl.int64)
     i_kvh64 = (i_b * (H // G) + i_h // G).to(tl.int64)
@@ -424,18 +404,14 @@ def _attention_fwd_kernel(
     row = (i_b * stride_bm_b + i_h * stride_bm_h) * n_q_blocks + i_m
     n_partial = _clamp(tl.load(partial_count_ptr + row), n_kv_blocks)
     n_full = _clamp(tl.load(full_count_ptr + row), n_kv_blocks)
-    acc0, m0, l0 = acc, m_i, l_i
-    partial_list = partial_index_ptr + row.to(tl.int64) * n_kv_blocks
-    for attempt in tl.static_range(1 + OPTIMISTIC):  # the partial tiles: _attempt_runs
-        if _attempt_runs(acc, attempt == 0):
-            acc, m_i, l_i = _fwd_tiles(
-                acc0, m0, l0, q, offs_m, q_seg, q_pos, partial_list, n_partial,
-                n_kv_blocks, k_base, v_base, ids_base, stride_kind, mask_base, bias_base,
-                stride_bt, stride_bs, window_left, window_right, window2_left,
-                window2_right, T, S, SCALE, SOFT_CAP, D, DV, BD, BDV, BK, True,
-                HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2,
-                HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP,
-                DOT_PRECISION, EVEN_S, attempt == OPTIMISTIC)
+    acc, m_i, l_i = _fwd_tiles(
+        acc, m_i, l_i, q, offs_m, q_seg, q_pos,
+        partial_index_ptr + row.to(tl.int64) * n_kv_blocks, n_partial, n_kv_blocks, k_base,
+        v_base, ids_base, stride_kind, mask_base, bias_base, stride_bt, stride_bs,
+        window_left, window_right, window2_left, window2_right, T, S, SCALE, SOFT_CAP, D,
+        DV, BD, BDV, BK, True, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK,
+        CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP,
+        DOT_PRECISION, EVEN_S, SAFE)
     acc, m_i, l_i = _fwd_tiles(
         acc, m_i, l_i, q, offs_m, q_seg, q_pos,
         full_index_ptr + row.to(tl.int64) * n_kv_blocks, n_full, n_kv_blocks, k_base,
@@ -455,6 +431,62 @@ def _attention_fwd_kernel(
     tl.store(o_ptr + i_bh64 * T * DV + offs_m[:, None] * DV + offs_dv[None, :],
              o.to(o_ptr.dtype.element_ty), mask=in_q[:, None] & (offs_dv < DV)[None, :])
     tl.store(lse_ptr + i_bh64 * T + offs_m, lse, mask=in_q)
+    return acc
+
+
+@triton.jit
+def _attention_fwd_kernel(
+    # inputs
+    q_ptr, k_ptr, v_ptr, ids_ptr, token_mask_ptr, bias_ptr, sink_ptr,
+    partial_count_ptr, partial_index_ptr, full_count_ptr, full_index_ptr,
+    retry_ptr, o_in_ptr, lse_in_ptr,  # RETRY: the first launch's flags; o, lse (aliased)
+    # scalars
+    window_left, window_right, window2_left, window2_right, T, S, n_q_blocks, n_kv_blocks,
+    stride_ids_b, stride_kind, stride_mask_b, stride_mask_h, stride_bb, stride_bh,
+    stride_bt, stride_bs, stride_bm_b, stride_bm_h, n_programs,
+    # outputs
+    o_ptr, lse_ptr, flag_ptr,
+    # shapes and features
+    SCALE: tl.constexpr, SOFT_CAP: tl.constexpr, H: tl.constexpr, G: tl.constexpr,
+    D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+    BQ: tl.constexpr, BK: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr,
+    CLAUSE2: tl.constexpr, HAS_SEGMENTS2: tl.constexpr, IS_CAUSAL2: tl.constexpr,
+    HAS_WINDOW2: tl.constexpr, HAS_BIAS: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, EVEN_S: tl.constexpr, OPTIMISTIC: tl.constexpr,
+    RETRY: tl.constexpr,
+):
+    # Query blocks in reverse order: under a causal mask the last blocks have the most
+    # work; they start first, so the short ones fill the gaps at the end. Program p of the
+    # first launch is (n_q_blocks - 1 - p % n_q_blocks, p // n_q_blocks); see _retried.
+    if RETRY:
+        for p in range(tl.program_id(0), n_programs, tl.num_programs(0)):
+            if tl.load(retry_ptr + p) != 0:
+                _fwd_program(
+                    n_q_blocks - 1 - p % n_q_blocks, p // n_q_blocks, q_ptr, k_ptr, v_ptr,
+                    ids_ptr, token_mask_ptr, bias_ptr, sink_ptr, partial_count_ptr,
+                    partial_index_ptr, full_count_ptr, full_index_ptr, window_left,
+                    window_right, window2_left, window2_right, T, S, n_q_blocks, n_kv_blocks,
+                    stride_ids_b, stride_kind, stride_mask_b, stride_mask_h, stride_bb,
+                    stride_bh, stride_bt, stride_bs, stride_bm_b, stride_bm_h, o_ptr, lse_ptr,
+                    SCALE, SOFT_CAP, H, G, D, DV, BD, BDV, BQ, BK, HAS_SEGMENTS, IS_CAUSAL,
+                    HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2,
+                    HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP, HAS_SINKS, DOT_PRECISION, EVEN_S, True)
+    else:
+        acc = _fwd_program(
+            n_q_blocks - 1 - tl.program_id(0), tl.program_id(1), q_ptr, k_ptr, v_ptr,
+            ids_ptr, token_mask_ptr, bias_ptr, sink_ptr, partial_count_ptr, partial_index_ptr,
+            full_count_ptr, full_index_ptr, window_left, window_right, window2_left,
+            window2_right, T, S, n_q_blocks, n_kv_blocks, stride_ids_b, stride_kind,
+            stride_mask_b, stride_mask_h, stride_bb, stride_bh, stride_bt, stride_bs,
+            stride_bm_b, stride_bm_h, o_ptr, lse_ptr, SCALE, SOFT_CAP, H, G, D, DV, BD, BDV,
+            BQ, BK, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2,
+            HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP, HAS_SINKS,
+            DOT_PRECISION, EVEN_S, not OPTIMISTIC)
+        if OPTIMISTIC:
+            tl.store(flag_ptr + tl.program_id(1) * n_q_blocks + tl.program_id(0),
+                     _any_not_finite(acc).to(tl.int32))
 
 
 @triton.jit
@@ -587,7 +619,8 @@ def _dkv_heads(k, v, offs_n, i_b, i_kvh, i_n, q_ptr, do_ptr, lse_ptr, delta_ptr,
 
 
 @triton.jit
-def _attention_dkv_kernel(
+def _dkv_program(
+    i_n, i_bkv,  # this program: key block, (batch, key/value head)
     # inputs
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, ids_ptr, token_mask_ptr, bias_ptr,
     t_partial_count_ptr, t_partial_index_ptr, t_full_count_ptr, t_full_index_ptr,
@@ -605,10 +638,9 @@ def _attention_dkv_kernel(
     CLAUSE2: tl.constexpr,
     HAS_SEGMENTS2: tl.constexpr, IS_CAUSAL2: tl.constexpr, HAS_WINDOW2: tl.constexpr,
     HAS_BIAS: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    EVEN_S: tl.constexpr, OPTIMISTIC: tl.constexpr,
+    EVEN_S: tl.constexpr, SAFE: tl.constexpr,
 ):
-    i_n = tl.program_id(0)
-    i_bkv = tl.program_id(1)  # (batch, key/value head)
+    """One key block of one key/value head: ``dk`` and ``dv`` stored; ``dk`` returned."""
     H_KV: tl.constexpr = H // G
     i_b, i_kvh = i_bkv // H_KV, i_bkv % H_KV
     i_bkv64 = i_bkv.to(tl.int64)
@@ -621,28 +653,76 @@ def _attention_dkv_kernel(
     v = tl.load(v_ptr + i_bkv64 * S * DV + offs_n[:, None] * DV + offs_dv[None, :],
                 mask=in_kv[:, None] & (offs_dv < DV)[None, :], other=0.0)
     ids_base = ids_ptr + i_b * stride_ids_b
-    # Every query head's partial and full tiles, attempted as _attempt_runs says. A second
-    # attempt takes all query heads again, from zero: a copy of dK kept for a rerun of one
-    # head's partial tiles held registers and cost 5 % of a forward + backward (H100).
-    dk, dv = tl.zeros([BK, BD], tl.float32), tl.zeros([BK, BDV], tl.float32)
-    for attempt in tl.static_range(1 + OPTIMISTIC):
-        if _attempt_runs(dk, attempt == 0):
-            dk, dv = _dkv_heads(
-                k, v, offs_n, i_b, i_kvh, i_n, q_ptr, do_ptr, lse_ptr, delta_ptr,
-                ids_base, token_mask_ptr, bias_ptr, t_partial_count_ptr,
-                t_partial_index_ptr, t_full_count_ptr, t_full_index_ptr, window_left,
-                window_right, window2_left, window2_right, T, S, n_q_blocks, n_kv_blocks,
-                stride_kind, stride_mask_b, stride_mask_h, stride_bb, stride_bh,
-                stride_bt, stride_bs, stride_bm_b, stride_bm_h, SCALE, SOFT_CAP, H, G, D,
-                DV, BD, BDV, BQ, BK, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK,
-                CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP,
-                DOT_PRECISION, EVEN_S, attempt == OPTIMISTIC)
+    dk, dv = _dkv_heads(
+        k, v, offs_n, i_b, i_kvh, i_n, q_ptr, do_ptr, lse_ptr, delta_ptr, ids_base,
+        token_mask_ptr, bias_ptr, t_partial_count_ptr, t_partial_index_ptr, t_full_count_ptr,
+        t_full_index_ptr, window_left, window_right, window2_left, window2_right, T, S,
+        n_q_blocks, n_kv_blocks, stride_kind, stride_mask_b, stride_mask_h, stride_bb,
+        stride_bh, stride_bt, stride_bs, stride_bm_b, stride_bm_h, SCALE, SOFT_CAP, H, G, D,
+        DV, BD, BDV, BQ, BK, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2,
+        HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP, DOT_PRECISION, EVEN_S,
+        SAFE)
     kv_rows = in_kv[:, None]
     tl.store(dk_ptr + i_bkv64 * S * D + offs_n[:, None] * D + offs_d[None, :],
              (dk * SCALE).to(dk_ptr.dtype.element_ty),
              mask=kv_rows & (offs_d < D)[None, :])
     tl.store(dv_ptr + i_bkv64 * S * DV + offs_n[:, None] * DV + offs_dv[None, :],
              dv.to(dv_ptr.dtype.element_ty), mask=kv_rows & (offs_dv < DV)[None, :])
+    return dk
+
+
+@triton.jit
+def _attention_dkv_kernel(
+    # inputs
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, ids_ptr, token_mask_ptr, bias_ptr,
+    t_partial_count_ptr, t_partial_index_ptr, t_full_count_ptr, t_full_index_ptr,
+    retry_ptr, dk_in_ptr, dv_in_ptr,  # RETRY: the first launch's flags; dk, dv (aliased)
+    # scalars
+    window_left, window_right, window2_left, window2_right, T, S, n_q_blocks, n_kv_blocks,
+    stride_ids_b, stride_kind, stride_mask_b, stride_mask_h, stride_bb, stride_bh,
+    stride_bt, stride_bs, stride_bm_b, stride_bm_h, n_programs,
+    # outputs
+    dk_ptr, dv_ptr, flag_ptr,
+    # shapes and features
+    SCALE: tl.constexpr, SOFT_CAP: tl.constexpr, H: tl.constexpr, G: tl.constexpr,
+    D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+    BQ: tl.constexpr, BK: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr,
+    CLAUSE2: tl.constexpr,
+    HAS_SEGMENTS2: tl.constexpr, IS_CAUSAL2: tl.constexpr, HAS_WINDOW2: tl.constexpr,
+    HAS_BIAS: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EVEN_S: tl.constexpr, OPTIMISTIC: tl.constexpr, RETRY: tl.constexpr,
+):
+    # Program p of the first launch is (p % n_kv_blocks, p // n_kv_blocks); see _retried. A
+    # retry takes all query heads again, from zero: a copy of dK kept for a rerun of one
+    # head's partial tiles held registers and cost 5 % of a forward + backward (H100).
+    if RETRY:
+        for p in range(tl.program_id(0), n_programs, tl.num_programs(0)):
+            if tl.load(retry_ptr + p) != 0:
+                _dkv_program(
+                    p % n_kv_blocks, p // n_kv_blocks, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr,
+                    delta_ptr, ids_ptr, token_mask_ptr, bias_ptr, t_partial_count_ptr,
+                    t_partial_index_ptr, t_full_count_ptr, t_full_index_ptr, window_left,
+                    window_right, window2_left, window2_right, T, S, n_q_blocks, n_kv_blocks,
+                    stride_ids_b, stride_kind, stride_mask_b, stride_mask_h, stride_bb,
+                    stride_bh, stride_bt, stride_bs, stride_bm_b, stride_bm_h, dk_ptr, dv_ptr,
+                    SCALE, SOFT_CAP, H, G, D, DV, BD, BDV, BQ, BK, HAS_SEGMENTS, IS_CAUSAL,
+                    HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2,
+                    HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP, DOT_PRECISION, EVEN_S, True)
+    else:
+        dk = _dkv_program(
+            tl.program_id(0), tl.program_id(1), q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr,
+            delta_ptr, ids_ptr, token_mask_ptr, bias_ptr, t_partial_count_ptr,
+            t_partial_index_ptr, t_full_count_ptr, t_full_index_ptr, window_left,
+            window_right, window2_left, window2_right, T, S, n_q_blocks, n_kv_blocks,
+            stride_ids_b, stride_kind, stride_mask_b, stride_mask_h, stride_bb, stride_bh,
+            stride_bt, stride_bs, stride_bm_b, stride_bm_h, dk_ptr, dv_ptr, SCALE, SOFT_CAP,
+            H, G, D, DV, BD, BDV, BQ, BK, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW,
+            HAS_TOKEN_MASK, CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2, HAS_BIAS,
+            USE_SOFTCAP, DOT_PRECISION, EVEN_S, not OPTIMISTIC)
+        if OPTIMISTIC:
+            tl.store(flag_ptr + tl.program_id(1) * n_kv_blocks + tl.program_id(0),
+                     _any_not_finite(dk).to(tl.int32))
 
 
 @triton.jit
@@ -680,7 +760,8 @@ def _dq_tiles(dq, q, do, lse, delta, offs_m, q_seg, q_pos, list_ptr, count, n_bl
 
 
 @triton.jit
-def _attention_dq_kernel(
+def _dq_program(
+    i_m, i_bh,  # this program: query block, (batch, head)
     # inputs
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, ids_ptr, token_mask_ptr, bias_ptr,
     partial_count_ptr, partial_index_ptr, full_count_ptr, full_index_ptr,
@@ -697,10 +778,9 @@ def _attention_dq_kernel(
     HAS_WINDOW: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr, CLAUSE2: tl.constexpr,
     HAS_SEGMENTS2: tl.constexpr, IS_CAUSAL2: tl.constexpr, HAS_WINDOW2: tl.constexpr,
     HAS_BIAS: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    EVEN_S: tl.constexpr, OPTIMISTIC: tl.constexpr,
+    EVEN_S: tl.constexpr, SAFE: tl.constexpr,
 ):
-    i_m = n_q_blocks - 1 - tl.program_id(0)
-    i_bh = tl.program_id(1)
+    """One query block of one head: ``dq`` (and its ``dbias`` tiles) stored; ``dq`` returned."""
     i_b, i_h = i_bh // H, i_bh % H
     i_bh64 = i_bh.to(tl.int64)
     i_kvh64 = (i_b * (H // G) + i_h // G).to(tl.int64)
@@ -719,18 +799,13 @@ def _attention_dq_kernel(
     row = (i_b * stride_bm_b + i_h * stride_bm_h) * n_q_blocks + i_m
     n_partial = _clamp(tl.load(partial_count_ptr + row), n_kv_blocks)
     n_full = _clamp(tl.load(full_count_ptr + row), n_kv_blocks)
-    dq0 = dq
-    partial_list = partial_index_ptr + row.to(tl.int64) * n_kv_blocks
-    for attempt in tl.static_range(1 + OPTIMISTIC):  # the partial tiles: _attempt_runs
-        if _attempt_runs(dq, attempt == 0):
-            dq = _dq_tiles(
-                dq0, q, do, lse, delta, offs_m, q_seg, q_pos, partial_list, n_partial,
-                n_kv_blocks, k_base, v_base, ids_base, stride_kind, mask_base, bias_base,
-                dbias_base, stride_bt, stride_bs, window_left, window_right, window2_left,
-                window2_right, T, S, SCALE, SOFT_CAP, D, DV, BD, BDV, BK, True, HAS_SEGMENTS,
-                IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2,
-                HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP, DOT_PRECISION, EVEN_S,
-                attempt == OPTIMISTIC)
+    dq = _dq_tiles(dq, q, do, lse, delta, offs_m, q_seg, q_pos,
+                   partial_index_ptr + row.to(tl.int64) * n_kv_blocks, n_partial, n_kv_blocks,
+                   k_base, v_base, ids_base, stride_kind, mask_base, bias_base, dbias_base,
+                   stride_bt, stride_bs, window_left, window_right, window2_left, window2_right, T,
+                   S, SCALE, SOFT_CAP, D, DV, BD, BDV, BK, True, HAS_SEGMENTS, IS_CAUSAL,
+                   HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2,
+                   HAS_BIAS, USE_SOFTCAP, DOT_PRECISION, EVEN_S, SAFE)
     dq = _dq_tiles(dq, q, do, lse, delta, offs_m, q_seg, q_pos,
                    full_index_ptr + row.to(tl.int64) * n_kv_blocks, n_full, n_kv_blocks,
                    k_base, v_base, ids_base, stride_kind, mask_base, bias_base, dbias_base,
@@ -741,6 +816,60 @@ def _attention_dq_kernel(
     tl.store(dq_ptr + i_bh64 * T * D + offs_m[:, None] * D + offs_d[None, :],
              (dq * SCALE).to(dq_ptr.dtype.element_ty),
              mask=(offs_m < T)[:, None] & (offs_d < D)[None, :])
+    return dq
+
+
+@triton.jit
+def _attention_dq_kernel(
+    # inputs
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, ids_ptr, token_mask_ptr, bias_ptr,
+    partial_count_ptr, partial_index_ptr, full_count_ptr, full_index_ptr,
+    retry_ptr, dq_in_ptr, dbias_in_ptr,  # RETRY: the first launch's flags; dq, dbias (aliased)
+    # scalars
+    window_left, window_right, window2_left, window2_right, T, S, n_q_blocks, n_kv_blocks,
+    stride_ids_b, stride_kind, stride_mask_b, stride_mask_h, stride_bb, stride_bh, stride_bt,
+    stride_bs, stride_bm_b, stride_bm_h, n_programs,
+    # outputs
+    dq_ptr, dbias_ptr, flag_ptr,
+    # shapes and features
+    SCALE: tl.constexpr, SOFT_CAP: tl.constexpr, H: tl.constexpr, G: tl.constexpr,
+    D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BQ: tl.constexpr,
+    BK: tl.constexpr, HAS_SEGMENTS: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr, CLAUSE2: tl.constexpr,
+    HAS_SEGMENTS2: tl.constexpr, IS_CAUSAL2: tl.constexpr, HAS_WINDOW2: tl.constexpr,
+    HAS_BIAS: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EVEN_S: tl.constexpr, OPTIMISTIC: tl.constexpr, RETRY: tl.constexpr,
+):
+    # Program p of the first launch is (n_q_blocks - 1 - p % n_q_blocks, p // n_q_blocks), as
+    # in the forward; see _retried.
+    if RETRY:
+        for p in range(tl.program_id(0), n_programs, tl.num_programs(0)):
+            if tl.load(retry_ptr + p) != 0:
+                _dq_program(
+                    n_q_blocks - 1 - p % n_q_blocks, p // n_q_blocks, q_ptr, k_ptr, v_ptr,
+                    do_ptr, lse_ptr, delta_ptr, ids_ptr, token_mask_ptr, bias_ptr,
+                    partial_count_ptr, partial_index_ptr, full_count_ptr, full_index_ptr,
+                    window_left, window_right, window2_left, window2_right, T, S, n_q_blocks,
+                    n_kv_blocks, stride_ids_b, stride_kind, stride_mask_b, stride_mask_h,
+                    stride_bb, stride_bh, stride_bt, stride_bs, stride_bm_b, stride_bm_h,
+                    dq_ptr, dbias_ptr, SCALE, SOFT_CAP, H, G, D, DV, BD, BDV, BQ, BK,
+                    HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2,
+                    HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP,
+                    DOT_PRECISION, EVEN_S, True)
+    else:
+        dq = _dq_program(
+            n_q_blocks - 1 - tl.program_id(0), tl.program_id(1), q_ptr, k_ptr, v_ptr, do_ptr,
+            lse_ptr, delta_ptr, ids_ptr, token_mask_ptr, bias_ptr, partial_count_ptr,
+            partial_index_ptr, full_count_ptr, full_index_ptr, window_left, window_right,
+            window2_left, window2_right, T, S, n_q_blocks, n_kv_blocks, stride_ids_b,
+            stride_kind, stride_mask_b, stride_mask_h, stride_bb, stride_bh, stride_bt,
+            stride_bs, stride_bm_b, stride_bm_h, dq_ptr, dbias_ptr, SCALE, SOFT_CAP, H, G, D,
+            DV, BD, BDV, BQ, BK, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2,
+            HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP, DOT_PRECISION,
+            EVEN_S, not OPTIMISTIC)
+        if OPTIMISTIC:
+            tl.store(flag_ptr + tl.program_id(1) * n_q_blocks + tl.program_id(0),
+                     _any_not_finite(dq).to(tl.int32))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -839,6 +968,36 @@ def _common(static: _Static, q, k, v, bias, rule, mask: BlockMask, blocks: Block
     return [*rule_args, bias_arg], scalars, meta
 
 
+# The retry launch (16-bit only, see _any_not_finite): this many programs, each walking the first
+# launch's flags with a stride. Two per SM of an H100 (132 SMs) at the forward's shared memory:
+# one wave. Where no flag is set, as almost always, the launch is ~2 us of flag reads.
+_RETRY_PROGRAMS = 264
+
+
+def _launch(kernel, inputs: list, scalars: list, out_shape: list, grid: tuple[int, int],
+            meta: dict) -> list:
+    """``kernel`` on ``grid``: its outputs ``out_shape``. 16-bit (``OPTIMISTIC``): the partial
+    tiles without NaN containment, a flag per program where the result holds a NaN or an inf,
+    then a second launch that runs the flagged programs again with it, into the same outputs
+    (aliased). float32: one launch, with containment."""
+    n_programs = grid[0] * grid[1]
+    none = jnp.zeros((1,), jnp.int32)  # a placeholder for what this launch does not use
+    first = meta["OPTIMISTIC"]
+    *outs, flags = triton_call(
+        *inputs, none, *[none] * len(out_shape), *scalars, n_programs, kernel=kernel,
+        out_shape=[*out_shape, jax.ShapeDtypeStruct((n_programs if first else 1,), jnp.int32)],
+        grid=grid, RETRY=False, **meta)
+    if not first:
+        return outs
+    n_in = len(inputs) + 1  # the retry's inputs: inputs, flags, outputs (aliased)
+    *outs, _ = triton_call(
+        *inputs, flags, *outs, *scalars, n_programs, kernel=kernel,
+        out_shape=[*out_shape, jax.ShapeDtypeStruct((1,), jnp.int32)],
+        grid=(min(n_programs, _RETRY_PROGRAMS), 1), RETRY=True,
+        input_output_aliases={n_in + i: i for i in range(len(out_shape))}, **meta)
+    return outs
+
+
 def _fwd(static: _Static, q, k, v, sinks, bias, rule, mask: BlockMask):
     """Forward launch: ``o`` ``[B, Hq, T, Dv]`` (query dtype) and ``lse`` ``[B, Hq, T]`` (fp32,
     base 2)."""
@@ -846,14 +1005,12 @@ def _fwd(static: _Static, q, k, v, sinks, bias, rule, mask: BlockMask):
     DV = v.shape[3]
     rule_args, scalars, meta = _common(static, q, k, v, bias, rule, mask, static.fwd)
     sink_arg = jnp.zeros((1,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
-    return triton_call(
-        q, k, v, *rule_args, sink_arg, mask.partial_count, mask.partial_index, mask.full_count,
-        mask.full_index, *scalars,
-        kernel=_attention_fwd_kernel,
-        out_shape=[jax.ShapeDtypeStruct((B, H, T, DV), q.dtype),
-                   jax.ShapeDtypeStruct((B, H, T), jnp.float32)],
-        grid=(mask.kinds.shape[2], B * H), HAS_SINKS=sinks is not None, **meta,
-    )
+    return _launch(
+        _attention_fwd_kernel,
+        [q, k, v, *rule_args, sink_arg, mask.partial_count, mask.partial_index,
+         mask.full_count, mask.full_index], scalars,
+        [jax.ShapeDtypeStruct((B, H, T, DV), q.dtype), jax.ShapeDtypeStruct((B, H, T), jnp.float32)],
+        (mask.kinds.shape[2], B * H), dict(meta, HAS_SINKS=sinks is not None))
 
 
 def _bwd_dkv(static: _Static, q, k, v, do, lse, delta, bias, rule, mask: BlockMask):
@@ -861,14 +1018,13 @@ def _bwd_dkv(static: _Static, q, k, v, do, lse, delta, bias, rule, mask: BlockMa
     B, H_kv, S, D = k.shape
     DV = v.shape[3]
     rule_args, scalars, meta = _common(static, q, k, v, bias, rule, mask, static.dkv)
-    return triton_call(
-        q, k, v, do, lse, delta, *rule_args, mask.t_partial_count, mask.t_partial_index,
-        mask.t_full_count, mask.t_full_index, *scalars,
-        kernel=_attention_dkv_kernel,
-        out_shape=[jax.ShapeDtypeStruct((B, H_kv, S, D), k.dtype),
-                   jax.ShapeDtypeStruct((B, H_kv, S, DV), v.dtype)],
-        grid=(mask.kinds.shape[3], B * H_kv), **meta,
-    )
+    return _launch(
+        _attention_dkv_kernel,
+        [q, k, v, do, lse, delta, *rule_args, mask.t_partial_count, mask.t_partial_index,
+         mask.t_full_count, mask.t_full_index], scalars,
+        [jax.ShapeDtypeStruct((B, H_kv, S, D), k.dtype),
+         jax.ShapeDtypeStruct((B, H_kv, S, DV), v.dtype)],
+        (mask.kinds.shape[3], B * H_kv), meta)
 
 
 def _bwd_dq(static: _Static, q, k, v, do, lse, delta, bias, rule, mask: BlockMask):
@@ -877,14 +1033,13 @@ def _bwd_dq(static: _Static, q, k, v, do, lse, delta, bias, rule, mask: BlockMas
     S = k.shape[2]
     rule_args, scalars, meta = _common(static, q, k, v, bias, rule, mask, static.dq)
     dbias_shape = (B, H, T, S) if bias is not None else (1,)
-    return triton_call(
-        q, k, v, do, lse, delta, *rule_args, mask.partial_count, mask.partial_index,
-        mask.full_count, mask.full_index, *scalars,
-        kernel=_attention_dq_kernel,
-        out_shape=[jax.ShapeDtypeStruct((B, H, T, D), q.dtype),
-                   jax.ShapeDtypeStruct(dbias_shape, jnp.float32)],
-        grid=(mask.kinds.shape[2], B * H), **meta,
-    )
+    return _launch(
+        _attention_dq_kernel,
+        [q, k, v, do, lse, delta, *rule_args, mask.partial_count, mask.partial_index,
+         mask.full_count, mask.full_index], scalars,
+        [jax.ShapeDtypeStruct((B, H, T, D), q.dtype),
+         jax.ShapeDtypeStruct(dbias_shape, jnp.float32)],
+        (mask.kinds.shape[2], B * H), meta)
 
 
 def _visited_tokens(mask: BlockMask) -> Array:

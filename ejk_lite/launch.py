@@ -83,13 +83,17 @@ def triton_call(
     grid: GridLike,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    input_output_aliases: dict[int, int] | None = None,
     **metaparams: Any,
 ) -> Any:
     """Launch ``kernel`` on ``grid`` and return the arrays described by ``out_shape``.
 
     ``out_shape`` is a ``jax.ShapeDtypeStruct`` (one output) or a list/tuple of them; the result
     has the same structure. See the module docstring for the argument convention.
+    ``input_output_aliases`` maps an input's index among the array arguments to an output's: the
+    output starts as that input (jax-triton's convention; the kernel gets both pointers).
     """
+    aliases = dict(input_output_aliases or {})
     # A NumPy scalar (np.int64(8), what indexing a NumPy array gives) is a number, not an array:
     # passed on as it is, it would become a pointer to one element.
     args = tuple(a.item() if isinstance(a, np.generic) else a for a in args)
@@ -104,18 +108,23 @@ def triton_call(
 
     resolved_grid = _resolve_grid(grid, kernel, metaparams)
     if any(g == 0 for g in resolved_grid):
-        # Nothing to launch: every output stays poisoned, exactly as an unwritten element would.
-        outs = [jnp.full(s.shape, _poison(np.dtype(s.dtype)), s.dtype) for s in out_leaves]
+        # Nothing to launch: every output stays poisoned, exactly as an unwritten element would
+        # (or stays its aliased input).
+        arrays = [a for a in args if not isinstance(a, (bool, int, float))]
+        starts = {o: arrays[i] for i, o in aliases.items()}
+        outs = [starts[i] if i in starts else jnp.full(s.shape, _poison(np.dtype(s.dtype)), s.dtype)
+                for i, s in enumerate(out_leaves)]
         return jax.tree_util.tree_unflatten(out_tree, outs)
 
     if not INTERPRETER:
         outs = _import_jax_triton().triton_call(
             *args, kernel=kernel, out_shape=out_shape, grid=grid,
-            num_warps=num_warps, num_stages=num_stages, **metaparams,
+            num_warps=num_warps, num_stages=num_stages, input_output_aliases=aliases,
+            **metaparams,
         )
         outs = jax.tree_util.tree_leaves(outs)
     else:
-        outs = _interpret(args, kernel, out_leaves, resolved_grid, metaparams)
+        outs = _interpret(args, kernel, out_leaves, resolved_grid, metaparams, aliases)
     # Under shard_map the outputs vary over the mesh axes the inputs vary over (a callback's
     # results would otherwise be typed as the same on every shard).
     outs = vary_like(outs, *[a for a in args if hasattr(a, "shape")])
@@ -310,7 +319,7 @@ class _HostTensor:
 _INTERPRETER_LOCK = threading.Lock()
 
 
-def _interpret(args, kernel, out_leaves, grid, metaparams):
+def _interpret(args, kernel, out_leaves, grid, metaparams, aliases):
     fn, metaparams = _first_config(kernel, metaparams)
     array_positions = [i for i, a in enumerate(args) if not isinstance(a, (int, float, bool))]
     arrays = [args[i] for i in array_positions]
@@ -322,6 +331,8 @@ def _interpret(args, kernel, out_leaves, grid, metaparams):
             a = np.asarray(a)
             call_args[i] = _HostTensor(np.array(a, dtype=_host_dtype(a.dtype), order="C", copy=True))
         outs = [np.full(s.shape, _poison(d), dtype=_host_dtype(d)) for s, d in zip(out_leaves, out_dtypes)]
+        for i, o in aliases.items():  # an aliased output starts as its input
+            outs[o][...] = np.asarray(host_arrays[i], dtype=outs[o].dtype)
         with _INTERPRETER_LOCK:
             fn[grid](*call_args, *[_HostTensor(o) for o in outs], **metaparams)
         return tuple(o.astype(d) for o, d in zip(outs, out_dtypes))

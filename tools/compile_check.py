@@ -59,7 +59,7 @@ def _arg_type(a):
     return ["*" + str(_np.dtype(a.dtype)), None]
 
 
-def _recording_interpret(args, kernel, out_leaves, grid, metaparams):
+def _recording_interpret(args, kernel, out_leaves, grid, metaparams, aliases):
     fn, meta = _launch._first_config(kernel, metaparams)
     raw = fn
     while hasattr(raw, "fn"):
@@ -69,7 +69,7 @@ def _recording_interpret(args, kernel, out_leaves, grid, metaparams):
                          args=[_arg_type(a) for a in args],
                          outs=["*" + str(_np.dtype(s.dtype)) for s in out_leaves],
                          meta=jsonable, skipped_meta=sorted(set(meta) - set(jsonable))))
-    return _interpret(args, kernel, out_leaves, grid, metaparams)
+    return _interpret(args, kernel, out_leaves, grid, metaparams, aliases)
 
 
 _launch._interpret = _recording_interpret
