@@ -10,8 +10,8 @@ round medians is reported, with the spread of the rounds.
     GPU:     python bench/_ab_attention.py run .scratch/ab --out bench/results   # -> ab_attention.json
 
 The versions: ``new``, the working tree; ``old``, 139f93b (before issue 17's safety work);
-``fast``, the working tree without the NaN containment's retry launch (``_RETRY_PROGRAMS = 0``: the
-first launch alone, flags written and never read): a lower bound for the design, wrong on NaN inputs, timed to show what the containment costs.
+``fast``, the working tree without the NaN containment's retry launch (``_launch`` returns after the
+first launch: flags written and never read): a lower bound for the design, wrong on NaN inputs, timed to show what the containment costs.
 Every version's output and gradients are compared with ``new``'s at every timed configuration;
 the run fails past a relative difference of 1e-2 (bf16).
 """
@@ -28,7 +28,7 @@ import tempfile
 import time
 
 OLD = "139f93bc004980ce62b4365ac35c8b6f1eda1191"
-CONTAINMENT = [("\n_RETRY_PROGRAMS = 264\n", "\n_RETRY_PROGRAMS = 0\n")]
+CONTAINMENT = [("    if not first:\n        return outs\n", "    if True:\n        return outs\n")]
 
 
 def _copy(src: pathlib.Path, dest: pathlib.Path, name: str, edits=()) -> None:

@@ -175,25 +175,37 @@ def _finite(x):
 
 
 @triton.jit
-def _any_not_finite(x):
-    """Whether a tile holds a NaN or an inf.
+def _rows_not_finite(x):
+    """Per row of a tile, 1 where it holds a NaN or an inf (int8).
 
     NaN containment: a NaN or an inf in v (forward), q (dK) or k (dQ) must not reach, as p = 0
     times NaN, the rows that cannot see it. The selects that prevent that (``SAFE``) cost time in
     every partial tile. With 16-bit inputs (``OPTIMISTIC``, see ``_optimistic``) each kernel runs
-    its partial tiles without them and checks its accumulator once: a leak always shows there (0
-    times NaN is NaN), and without one the optimistic result is exact. It stores the answer as a
-    flag per program, and a second launch (``RETRY``, see ``_launch``) runs the flagged programs
-    again with ``SAFE``, into the same outputs: where a NaN or an inf showed (a leak, or a true
-    NaN of a row that sees one). float32 runs ``SAFE`` from the start, in one launch.
+    its partial tiles without them and stores these flags of its accumulator: a leak always shows
+    there (0 times NaN is NaN), and without one the optimistic result is exact. A second launch
+    (``RETRY``, see ``_launch``) runs the programs with a flag again, with ``SAFE``, into the same
+    outputs: where a NaN or an inf showed (a leak, or a true NaN of a row that sees one). float32
+    runs ``SAFE`` from the start, in one launch.
 
     Why a second launch and not a second attempt inside the kernel, which this code did first:
     the attempt was never taken, yet its code made the compiler spill registers in the optimistic
     path too (sm_90, bf16 D128 documents mask, bytes of spill stores: forward 928 against 108
     without the attempt, dK/dV 2256 against 1348, dQ 772 against 336), and cost time (H100, same
     process, device time, median of 6 rounds: documents forward 0.924 against 0.845 ms without
-    it; forward + backward 3.335 against 3.043 ms; bench/_ab_attention.py)."""
-    return tl.max(tl.max(tl.where(_finite(x), 0, 1), 1), 0) > 0
+    it; forward + backward 3.335 against 3.043 ms; bench/_ab_attention.py). Why flags per row
+    and not one per program: a row's maximum stays inside a warp, a tile's crosses warps (a
+    barrier in every program)."""
+    return tl.max(tl.where(_finite(x), 0, 1), 1).to(tl.int8)
+
+
+@triton.jit
+def _flagged(flag_ptr, first, n_programs, COUNT: tl.constexpr, ROWS: tl.constexpr):
+    """Whether any of the ``COUNT`` programs from ``first`` of the first launch flagged a row
+    (each stored ``ROWS`` flags; see ``_rows_not_finite``): one load for all."""
+    p = first + tl.arange(0, COUNT)
+    flags = tl.load(flag_ptr + p[:, None] * ROWS + tl.arange(0, ROWS)[None, :],
+                    mask=(p < n_programs)[:, None], other=0)
+    return tl.max(tl.max(flags, 1), 0) > 0
 
 
 @triton.jit
@@ -310,7 +322,7 @@ def _fwd_tiles(acc, m_i, l_i, q, offs_m, q_seg, q_pos, list_ptr, count, n_blocks
                DOT_PRECISION: tl.constexpr, EVEN_S: tl.constexpr, SAFE: tl.constexpr):
     """The online-softmax inner loop over ``count`` key blocks read from ``list_ptr``;
     ``SAFE``: keep a NaN or an inf of v inside the rows that see it (see
-    ``_any_not_finite``)."""
+    ``_rows_not_finite``)."""
     offs_d = tl.arange(0, BD)
     offs_dv = tl.arange(0, BDV)
     for i in range(count):
@@ -455,24 +467,27 @@ def _attention_fwd_kernel(
     HAS_WINDOW2: tl.constexpr, HAS_BIAS: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, EVEN_S: tl.constexpr, OPTIMISTIC: tl.constexpr,
-    RETRY: tl.constexpr,
+    RETRY: tl.constexpr, SCAN: tl.constexpr, ROWS: tl.constexpr,
 ):
     # Query blocks in reverse order: under a causal mask the last blocks have the most
     # work; they start first, so the short ones fill the gaps at the end. Program p of the
-    # first launch is (n_q_blocks - 1 - p % n_q_blocks, p // n_q_blocks); see _retried.
-    if RETRY:
-        for p in range(tl.program_id(0), n_programs, tl.num_programs(0)):
-            if tl.load(retry_ptr + p) != 0:
-                _fwd_program(
-                    n_q_blocks - 1 - p % n_q_blocks, p // n_q_blocks, q_ptr, k_ptr, v_ptr,
-                    ids_ptr, token_mask_ptr, bias_ptr, sink_ptr, partial_count_ptr,
-                    partial_index_ptr, full_count_ptr, full_index_ptr, window_left,
-                    window_right, window2_left, window2_right, T, S, n_q_blocks, n_kv_blocks,
-                    stride_ids_b, stride_kind, stride_mask_b, stride_mask_h, stride_bb,
-                    stride_bh, stride_bt, stride_bs, stride_bm_b, stride_bm_h, o_ptr, lse_ptr,
-                    SCALE, SOFT_CAP, H, G, D, DV, BD, BDV, BQ, BK, HAS_SEGMENTS, IS_CAUSAL,
-                    HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2,
-                    HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP, HAS_SINKS, DOT_PRECISION, EVEN_S, True)
+    # first launch is (n_q_blocks - 1 - p % n_q_blocks, p // n_q_blocks); see _launch.
+    if RETRY:  # programs SCAN * pid ... of the first launch: one load, and rarely more
+        first = tl.program_id(0) * SCAN
+        if _flagged(retry_ptr, first, n_programs, SCAN, ROWS):
+            for p in range(first, first + SCAN):
+                if _flagged(retry_ptr, p, n_programs, 1, ROWS):
+                    _fwd_program(
+                        n_q_blocks - 1 - p % n_q_blocks, p // n_q_blocks, q_ptr, k_ptr, v_ptr,
+                        ids_ptr, token_mask_ptr, bias_ptr, sink_ptr, partial_count_ptr,
+                        partial_index_ptr, full_count_ptr, full_index_ptr, window_left,
+                        window_right, window2_left, window2_right, T, S, n_q_blocks,
+                        n_kv_blocks, stride_ids_b, stride_kind, stride_mask_b, stride_mask_h,
+                        stride_bb, stride_bh, stride_bt, stride_bs, stride_bm_b, stride_bm_h,
+                        o_ptr, lse_ptr, SCALE, SOFT_CAP, H, G, D, DV, BD, BDV, BQ, BK,
+                        HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2,
+                        HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP,
+                        HAS_SINKS, DOT_PRECISION, EVEN_S, True)
     else:
         acc = _fwd_program(
             n_q_blocks - 1 - tl.program_id(0), tl.program_id(1), q_ptr, k_ptr, v_ptr,
@@ -484,9 +499,9 @@ def _attention_fwd_kernel(
             BQ, BK, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2,
             HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP, HAS_SINKS,
             DOT_PRECISION, EVEN_S, not OPTIMISTIC)
-        if OPTIMISTIC:
-            tl.store(flag_ptr + tl.program_id(1) * n_q_blocks + tl.program_id(0),
-                     _any_not_finite(acc).to(tl.int32))
+        if OPTIMISTIC:  # a flag per row (_rows_not_finite)
+            p = tl.program_id(1) * n_q_blocks + tl.program_id(0)
+            tl.store(flag_ptr + p * ROWS + tl.arange(0, ROWS), _rows_not_finite(acc))
 
 
 @triton.jit
@@ -692,23 +707,27 @@ def _attention_dkv_kernel(
     HAS_SEGMENTS2: tl.constexpr, IS_CAUSAL2: tl.constexpr, HAS_WINDOW2: tl.constexpr,
     HAS_BIAS: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     EVEN_S: tl.constexpr, OPTIMISTIC: tl.constexpr, RETRY: tl.constexpr,
+    SCAN: tl.constexpr, ROWS: tl.constexpr,
 ):
-    # Program p of the first launch is (p % n_kv_blocks, p // n_kv_blocks); see _retried. A
+    # Program p of the first launch is (p % n_kv_blocks, p // n_kv_blocks); see _launch. A
     # retry takes all query heads again, from zero: a copy of dK kept for a rerun of one
     # head's partial tiles held registers and cost 5 % of a forward + backward (H100).
-    if RETRY:
-        for p in range(tl.program_id(0), n_programs, tl.num_programs(0)):
-            if tl.load(retry_ptr + p) != 0:
-                _dkv_program(
-                    p % n_kv_blocks, p // n_kv_blocks, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr,
-                    delta_ptr, ids_ptr, token_mask_ptr, bias_ptr, t_partial_count_ptr,
-                    t_partial_index_ptr, t_full_count_ptr, t_full_index_ptr, window_left,
-                    window_right, window2_left, window2_right, T, S, n_q_blocks, n_kv_blocks,
-                    stride_ids_b, stride_kind, stride_mask_b, stride_mask_h, stride_bb,
-                    stride_bh, stride_bt, stride_bs, stride_bm_b, stride_bm_h, dk_ptr, dv_ptr,
-                    SCALE, SOFT_CAP, H, G, D, DV, BD, BDV, BQ, BK, HAS_SEGMENTS, IS_CAUSAL,
-                    HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2,
-                    HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP, DOT_PRECISION, EVEN_S, True)
+    if RETRY:  # programs SCAN * pid ... of the first launch: one load, and rarely more
+        first = tl.program_id(0) * SCAN
+        if _flagged(retry_ptr, first, n_programs, SCAN, ROWS):
+            for p in range(first, first + SCAN):
+                if _flagged(retry_ptr, p, n_programs, 1, ROWS):
+                    _dkv_program(
+                        p % n_kv_blocks, p // n_kv_blocks, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr,
+                        delta_ptr, ids_ptr, token_mask_ptr, bias_ptr, t_partial_count_ptr,
+                        t_partial_index_ptr, t_full_count_ptr, t_full_index_ptr, window_left,
+                        window_right, window2_left, window2_right, T, S, n_q_blocks,
+                        n_kv_blocks, stride_ids_b, stride_kind, stride_mask_b, stride_mask_h,
+                        stride_bb, stride_bh, stride_bt, stride_bs, stride_bm_b, stride_bm_h,
+                        dk_ptr, dv_ptr, SCALE, SOFT_CAP, H, G, D, DV, BD, BDV, BQ, BK,
+                        HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2,
+                        HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP,
+                        DOT_PRECISION, EVEN_S, True)
     else:
         dk = _dkv_program(
             tl.program_id(0), tl.program_id(1), q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr,
@@ -720,9 +739,9 @@ def _attention_dkv_kernel(
             H, G, D, DV, BD, BDV, BQ, BK, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW,
             HAS_TOKEN_MASK, CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2, HAS_BIAS,
             USE_SOFTCAP, DOT_PRECISION, EVEN_S, not OPTIMISTIC)
-        if OPTIMISTIC:
-            tl.store(flag_ptr + tl.program_id(1) * n_kv_blocks + tl.program_id(0),
-                     _any_not_finite(dk).to(tl.int32))
+        if OPTIMISTIC:  # a flag per row (_rows_not_finite)
+            p = tl.program_id(1) * n_kv_blocks + tl.program_id(0)
+            tl.store(flag_ptr + p * ROWS + tl.arange(0, ROWS), _rows_not_finite(dk))
 
 
 @triton.jit
@@ -839,23 +858,26 @@ def _attention_dq_kernel(
     HAS_SEGMENTS2: tl.constexpr, IS_CAUSAL2: tl.constexpr, HAS_WINDOW2: tl.constexpr,
     HAS_BIAS: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     EVEN_S: tl.constexpr, OPTIMISTIC: tl.constexpr, RETRY: tl.constexpr,
+    SCAN: tl.constexpr, ROWS: tl.constexpr,
 ):
     # Program p of the first launch is (n_q_blocks - 1 - p % n_q_blocks, p // n_q_blocks), as
-    # in the forward; see _retried.
-    if RETRY:
-        for p in range(tl.program_id(0), n_programs, tl.num_programs(0)):
-            if tl.load(retry_ptr + p) != 0:
-                _dq_program(
-                    n_q_blocks - 1 - p % n_q_blocks, p // n_q_blocks, q_ptr, k_ptr, v_ptr,
-                    do_ptr, lse_ptr, delta_ptr, ids_ptr, token_mask_ptr, bias_ptr,
-                    partial_count_ptr, partial_index_ptr, full_count_ptr, full_index_ptr,
-                    window_left, window_right, window2_left, window2_right, T, S, n_q_blocks,
-                    n_kv_blocks, stride_ids_b, stride_kind, stride_mask_b, stride_mask_h,
-                    stride_bb, stride_bh, stride_bt, stride_bs, stride_bm_b, stride_bm_h,
-                    dq_ptr, dbias_ptr, SCALE, SOFT_CAP, H, G, D, DV, BD, BDV, BQ, BK,
-                    HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2,
-                    HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP,
-                    DOT_PRECISION, EVEN_S, True)
+    # in the forward; see _launch.
+    if RETRY:  # programs SCAN * pid ... of the first launch: one load, and rarely more
+        first = tl.program_id(0) * SCAN
+        if _flagged(retry_ptr, first, n_programs, SCAN, ROWS):
+            for p in range(first, first + SCAN):
+                if _flagged(retry_ptr, p, n_programs, 1, ROWS):
+                    _dq_program(
+                        n_q_blocks - 1 - p % n_q_blocks, p // n_q_blocks, q_ptr, k_ptr, v_ptr,
+                        do_ptr, lse_ptr, delta_ptr, ids_ptr, token_mask_ptr, bias_ptr,
+                        partial_count_ptr, partial_index_ptr, full_count_ptr, full_index_ptr,
+                        window_left, window_right, window2_left, window2_right, T, S,
+                        n_q_blocks, n_kv_blocks, stride_ids_b, stride_kind, stride_mask_b,
+                        stride_mask_h, stride_bb, stride_bh, stride_bt, stride_bs, stride_bm_b,
+                        stride_bm_h, dq_ptr, dbias_ptr, SCALE, SOFT_CAP, H, G, D, DV, BD, BDV,
+                        BQ, BK, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2,
+                        HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP,
+                        DOT_PRECISION, EVEN_S, True)
     else:
         dq = _dq_program(
             n_q_blocks - 1 - tl.program_id(0), tl.program_id(1), q_ptr, k_ptr, v_ptr, do_ptr,
@@ -867,9 +889,9 @@ def _attention_dq_kernel(
             DV, BD, BDV, BQ, BK, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2,
             HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP, DOT_PRECISION,
             EVEN_S, not OPTIMISTIC)
-        if OPTIMISTIC:
-            tl.store(flag_ptr + tl.program_id(1) * n_q_blocks + tl.program_id(0),
-                     _any_not_finite(dq).to(tl.int32))
+        if OPTIMISTIC:  # a flag per row (_rows_not_finite)
+            p = tl.program_id(1) * n_q_blocks + tl.program_id(0)
+            tl.store(flag_ptr + p * ROWS + tl.arange(0, ROWS), _rows_not_finite(dq))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -931,8 +953,8 @@ def _window(window: tuple[int, int] | None) -> list[int]:
 
 def _optimistic(dtype) -> bool:
     """Whether the kernels run their partial tiles first without NaN containment (see
-    ``_any_not_finite``). Not in float32, whose three-pass TF32 dots make the selects cheap beside
-    them: one copy of the loop less to compile. A same-run probe, not a recorded benchmark (H100,
+    ``_rows_not_finite``). Not in float32, whose three-pass TF32 dots make the selects cheap
+    beside them: one launch and one compile less. A same-run probe, not a recorded benchmark (H100,
     float32 B2 Hq16 Hkv4 T2000 D128 causal, each variant in a fresh process with an empty Triton
     cache, attention_fp32's method): first forward + first gradient 35.0 s optimistic, 25.0 s not
     (forward 11.6 -> 10.4 s, gradient 23.4 -> 14.7 s); warm forward 2.25 -> 2.36 ms, gradient
@@ -968,32 +990,34 @@ def _common(static: _Static, q, k, v, bias, rule, mask: BlockMask, blocks: Block
     return [*rule_args, bias_arg], scalars, meta
 
 
-# The retry launch (16-bit only, see _any_not_finite): this many programs, each walking the first
-# launch's flags with a stride. Two per SM of an H100 (132 SMs) at the forward's shared memory:
-# one wave. Where no flag is set, as almost always, the launch is ~2 us of flag reads.
+# The retry launch (16-bit only, see _rows_not_finite): about this many programs, each looking
+# after SCAN programs of the first launch. Two per SM of an H100 (132 SMs) at the forward's shared
+# memory: one wave. Where no flag is set, as almost always, each reads its flags in one load.
 _RETRY_PROGRAMS = 264
 
 
 def _launch(kernel, inputs: list, scalars: list, out_shape: list, grid: tuple[int, int],
-            meta: dict) -> list:
+            rows: int, meta: dict) -> list:
     """``kernel`` on ``grid``: its outputs ``out_shape``. 16-bit (``OPTIMISTIC``): the partial
-    tiles without NaN containment, a flag per program where the result holds a NaN or an inf,
-    then a second launch that runs the flagged programs again with it, into the same outputs
-    (aliased). float32: one launch, with containment."""
+    tiles without NaN containment, ``rows`` flags per program where the result holds a NaN or an
+    inf, then a second launch that runs the flagged programs again with it, into the same
+    outputs (aliased). float32: one launch, with containment."""
     n_programs = grid[0] * grid[1]
-    none = jnp.zeros((1,), jnp.int32)  # a placeholder for what this launch does not use
+    none = jnp.zeros((1,), jnp.int8)  # a placeholder for what this launch does not use
     first = meta["OPTIMISTIC"]
     *outs, flags = triton_call(
         *inputs, none, *[none] * len(out_shape), *scalars, n_programs, kernel=kernel,
-        out_shape=[*out_shape, jax.ShapeDtypeStruct((n_programs if first else 1,), jnp.int32)],
-        grid=grid, RETRY=False, **meta)
+        out_shape=[*out_shape, jax.ShapeDtypeStruct((n_programs * rows if first else 1,),
+                                                    jnp.int8)],
+        grid=grid, RETRY=False, SCAN=1, ROWS=rows, **meta)
     if not first:
         return outs
+    scan = min(_pow2(-(-n_programs // _RETRY_PROGRAMS)), 64)
     n_in = len(inputs) + 1  # the retry's inputs: inputs, flags, outputs (aliased)
     *outs, _ = triton_call(
         *inputs, flags, *outs, *scalars, n_programs, kernel=kernel,
-        out_shape=[*out_shape, jax.ShapeDtypeStruct((1,), jnp.int32)],
-        grid=(min(n_programs, _RETRY_PROGRAMS), 1), RETRY=True,
+        out_shape=[*out_shape, jax.ShapeDtypeStruct((1,), jnp.int8)],
+        grid=(-(-n_programs // scan), 1), RETRY=True, SCAN=scan, ROWS=rows,
         input_output_aliases={n_in + i: i for i in range(len(out_shape))}, **meta)
     return outs
 
@@ -1010,7 +1034,8 @@ def _fwd(static: _Static, q, k, v, sinks, bias, rule, mask: BlockMask):
         [q, k, v, *rule_args, sink_arg, mask.partial_count, mask.partial_index,
          mask.full_count, mask.full_index], scalars,
         [jax.ShapeDtypeStruct((B, H, T, DV), q.dtype), jax.ShapeDtypeStruct((B, H, T), jnp.float32)],
-        (mask.kinds.shape[2], B * H), dict(meta, HAS_SINKS=sinks is not None))
+        (mask.kinds.shape[2], B * H), static.fwd.block_q,
+        dict(meta, HAS_SINKS=sinks is not None))
 
 
 def _bwd_dkv(static: _Static, q, k, v, do, lse, delta, bias, rule, mask: BlockMask):
@@ -1024,7 +1049,7 @@ def _bwd_dkv(static: _Static, q, k, v, do, lse, delta, bias, rule, mask: BlockMa
          mask.t_full_count, mask.t_full_index], scalars,
         [jax.ShapeDtypeStruct((B, H_kv, S, D), k.dtype),
          jax.ShapeDtypeStruct((B, H_kv, S, DV), v.dtype)],
-        (mask.kinds.shape[3], B * H_kv), meta)
+        (mask.kinds.shape[3], B * H_kv), static.dkv.block_kv, meta)
 
 
 def _bwd_dq(static: _Static, q, k, v, do, lse, delta, bias, rule, mask: BlockMask):
@@ -1039,7 +1064,7 @@ def _bwd_dq(static: _Static, q, k, v, do, lse, delta, bias, rule, mask: BlockMas
          mask.full_count, mask.full_index], scalars,
         [jax.ShapeDtypeStruct((B, H, T, D), q.dtype),
          jax.ShapeDtypeStruct(dbias_shape, jnp.float32)],
-        (mask.kinds.shape[2], B * H), meta)
+        (mask.kinds.shape[2], B * H), static.dq.block_q, meta)
 
 
 def _visited_tokens(mask: BlockMask) -> Array:

@@ -120,7 +120,7 @@ def nan_rows(x):
 
 # where the NaN goes: (array, extra inputs, extra options)
 NAN_CASES = {
-    "value": ("value", dict(bias_shape=(2, 4, 64, 64)), dict()),
+    "value": ("value", dict(bias=True), dict()),  # a bias [B, H, T, T]
     "key": ("key", dict(sinks=True, q_scale=6.0), dict(logits_soft_cap=3.0)),
     "query": ("query", dict(), dict()),
 }
@@ -136,8 +136,22 @@ def test_nan_stays_in_the_rows_that_see_it(case, dtype, rng):
     are finite and equal to the float64 reference without the NaN; in the NaN's document, the
     rows that hold a NaN are those of the float64 reference with the NaN (which holds NaN exactly
     in the rows that see the token, for the output), and the others equal it."""
+    check_nan_contained(case, dtype, rng, T=64, H_kv=2)
+
+
+def test_nan_retry_looks_after_several_programs_each(rng):
+    """The retry launch of 16-bit inputs (attention._launch) gives each of its programs several
+    programs of the first launch once these outnumber attention._RETRY_PROGRAMS (264): here 272
+    in the forward and in dK/dV (T = 544 in blocks of 16, B * H = 8), so two each."""
+    check_nan_contained("value", "bfloat16", rng, T=544, H_kv=4)
+
+
+def check_nan_contained(case, dtype, rng, T, H_kv):
     where, shapes, extra = NAN_CASES[case]
-    B, T, H, H_kv = 2, 64, 4, 2
+    B, H = 2, 4
+    shapes = dict(shapes)
+    if shapes.pop("bias", False):
+        shapes["bias_shape"] = (B, H, T, T)
     options = dict(documents(rng, B, T), **extra)
     ids = options["q_segment_ids"]
     doc = np.bincount(ids[0]).argmax()  # the longest document of row 0
