@@ -514,9 +514,9 @@ def _bwd_tile(q, k, v, do, lse, delta, offs_m, offs_n, q_seg, q_pos, ids_base,
               HAS_SEGMENTS2: tl.constexpr, IS_CAUSAL2: tl.constexpr,
               HAS_WINDOW2: tl.constexpr, HAS_BIAS: tl.constexpr,
               USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-              EVEN_S: tl.constexpr):
+              EVEN_S: tl.constexpr, SAFE: tl.constexpr):
     """One tile of the backward: ``p``, ``ds`` = dL/d(final logit), and the same before
-    the cap."""
+    the cap. ``SAFE``: see ``_rows_not_finite``."""
     s, t = _logits(q, k, offs_m, offs_n, bias_base, stride_bt, stride_bs, SCALE, SOFT_CAP,
                    T, S, USE_SOFTCAP, HAS_BIAS, DOT_PRECISION)
     visible = _visible(offs_m, offs_n, q_seg, q_pos, ids_base, stride_kind, mask_base,
@@ -524,16 +524,18 @@ def _bwd_tile(q, k, v, do, lse, delta, offs_m, offs_n, q_seg, q_pos, ids_base,
                        MASKED, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK,
                        CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2)
     p = tl.exp2(s - lse[:, None])
+    if MASKED or not EVEN_S:  # full tiles of an even length: every pair is visible
+        p = tl.where(visible, p, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
     ds = p * (dp - delta[:, None])  # dL/d(logit after the soft cap): also dL/dbias
     if USE_SOFTCAP:
         d_raw = ds * (1.0 - t * t)  # through cap * tanh(s / cap): a factor in [0, 1]
     else:
         d_raw = ds
-    if MASKED or not EVEN_S:  # full tiles of an even length: every pair is visible
+    if SAFE and (MASKED or not EVEN_S):
         # Selected, never multiplied by a zero p: a NaN of an invisible key (in dp, t) or
         # of a row's lse or delta must not reach the keys and rows that cannot see it.
-        p = tl.where(visible, p, 0.0)
+        # (Without SAFE it would show in dK or dQ, and the program runs again with it.)
         ds = tl.where(visible, ds, 0.0)
         if USE_SOFTCAP:
             d_raw = tl.where(visible, d_raw, 0.0)
@@ -583,7 +585,7 @@ def _dkv_tiles(dk, dv, k, v, offs_n, list_ptr, count, n_blocks, i_bh64, q_ptr, d
                              window_right, window2_left, window2_right, T, S, SCALE, SOFT_CAP,
                              MASKED, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2,
                              HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP,
-                             DOT_PRECISION, EVEN_S)
+                             DOT_PRECISION, EVEN_S, SAFE)
         dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PRECISION)
         if SAFE:  # a NaN q row that cannot see this key block must not reach dK as 0 * NaN
             q = tl.where(_finite(q), q, tl.zeros_like(q))  # (rows that see it reach dK by ds)
@@ -768,7 +770,7 @@ def _dq_tiles(dq, q, do, lse, delta, offs_m, q_seg, q_pos, list_ptr, count, n_bl
                                  window_left, window_right, window2_left, window2_right, T, S,
                                  SCALE, SOFT_CAP, MASKED, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW,
                                  HAS_TOKEN_MASK, CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2,
-                                 HAS_BIAS, USE_SOFTCAP, DOT_PRECISION, EVEN_S)
+                                 HAS_BIAS, USE_SOFTCAP, DOT_PRECISION, EVEN_S, SAFE)
         if HAS_BIAS:  # dbias is ds itself; [B, H, T, S] fp32, unvisited tiles are zeroed outside
             ptrs = dbias_base + offs_m.to(tl.int64)[:, None] * S + offs_n[None, :]
             tl.store(ptrs, ds, mask=(offs_m < T)[:, None] & (offs_n < S)[None, :])
