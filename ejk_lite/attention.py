@@ -281,18 +281,13 @@ def _visible(offs_m, offs_n, q_seg, q_pos, ids_base, stride_kind, mask_base, win
              window_right, window2_left, window2_right, T, S, MASKED: tl.constexpr,
              HAS_SEGMENTS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
              HAS_TOKEN_MASK: tl.constexpr, CLAUSE2: tl.constexpr, HAS_SEGMENTS2: tl.constexpr,
-             IS_CAUSAL2: tl.constexpr, HAS_WINDOW2: tl.constexpr, SAFE: tl.constexpr):
+             IS_CAUSAL2: tl.constexpr, HAS_WINDOW2: tl.constexpr):
     """Which pairs of a tile are visible: in range, and (in partial tiles) the token rule holds:
     its first clause (``q_seg``, ``q_pos`` are the query block's ids in it, and the token mask
     belongs to it), joined by and (``CLAUSE2 == 1``) or or (2) to a second one if there is one.
-    Rows past T see nothing where it matters: the token mask is not read there, and with ``SAFE``
-    a NaN must not reach dK through a padding row. Elsewhere their results are never stored, or
-    are zeros (their p is 0: lse = +inf), or a NaN the retry catches: one test per pair less."""
+    Rows past T see nothing: in the backward a NaN must not reach dK through a padding row."""
     in_kv = offs_n < S
-    if SAFE or HAS_TOKEN_MASK:
-        in_range = (offs_m < T)[:, None] & in_kv[None, :]
-    else:
-        in_range = (offs_m >= 0)[:, None] & in_kv[None, :]  # (always true: folded away)
+    in_range = (offs_m < T)[:, None] & in_kv[None, :]
     visible = in_range
     if MASKED:
         visible = _clause(in_range, q_seg, q_pos, ids_base, stride_kind, offs_n, in_kv,
@@ -340,7 +335,7 @@ def _fwd_tiles(acc, m_i, l_i, q, offs_m, q_seg, q_pos, list_ptr, count, n_blocks
         visible = _visible(offs_m, offs_n, q_seg, q_pos, ids_base, stride_kind, mask_base,
                            window_left, window_right, window2_left, window2_right, T, S,
                            MASKED, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK,
-                           CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2, SAFE)
+                           CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2)
         if MASKED or not EVEN_S:  # full tiles of an even length: every pair is visible
             s = tl.where(visible, s, float("-inf"))
         if SAFE:
@@ -527,7 +522,7 @@ def _bwd_tile(q, k, v, do, lse, delta, offs_m, offs_n, q_seg, q_pos, ids_base,
     visible = _visible(offs_m, offs_n, q_seg, q_pos, ids_base, stride_kind, mask_base,
                        window_left, window_right, window2_left, window2_right, T, S,
                        MASKED, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK,
-                       CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2, SAFE)
+                       CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2)
     p = tl.exp2(s - lse[:, None])
     if MASKED or not EVEN_S:  # full tiles of an even length: every pair is visible
         p = tl.where(visible, p, 0.0)
@@ -998,9 +993,9 @@ def _common(static: _Static, q, k, v, bias, rule, mask: BlockMask, blocks: Block
 
 
 # The retry launch (16-bit only, see _rows_not_finite): about this many programs, each looking
-# after SCAN programs of the first launch: one per SM of an H100 (132). Where no flag is set, as
-# almost always, each reads its flags in one load and is done.
-_RETRY_PROGRAMS = 132
+# after SCAN programs of the first launch. Two per SM of an H100 (132 SMs) at the forward's shared
+# memory: one wave. Where no flag is set, as almost always, each reads its flags in one load.
+_RETRY_PROGRAMS = 264
 
 
 def _launch(kernel, inputs: list, scalars: list, out_shape: list, grid: tuple[int, int],
