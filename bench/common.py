@@ -217,8 +217,9 @@ def _profile_options() -> Any:
     """What the device timer asks of the profiler: the GPU's activity, without the HLO of every
     compiled program (JAX's default puts them all into each trace) and without tracing Python
     calls (JAX's default traces them). In bench/_ab_attention.py, a process holding 18 compiled
-    attention programs, no round of 18 timings finished in 140 s, against 0.1-5.5 s for one
-    timing in a small process; these two defaults are the suspects, not yet measured apart."""
+    attention programs, no round of 18 timings finished in 140 s with JAX's defaults; with these
+    two off, each timing of its first round took 0.0-0.2 s (H100, 2026-11-24, every run of that
+    day). Which of the two mattered was not measured apart."""
     options = jax.profiler.ProfileOptions()
     options.enable_hlo_proto = False
     options.python_tracer_level = 0

@@ -189,12 +189,13 @@ def _rows_not_finite(x):
 
     Why a second launch and not a second attempt inside the kernel, which this code did first:
     the attempt was never taken, yet its code made the compiler spill registers in the optimistic
-    path too (sm_90, bf16 D128 documents mask, bytes of spill stores: forward 928 against 108
-    without the attempt, dK/dV 2256 against 1348, dQ 772 against 336), and cost time (H100, same
-    process, device time, median of 6 rounds: documents forward 0.924 against 0.845 ms without
-    it; forward + backward 3.335 against 3.043 ms; bench/_ab_attention.py). Why flags per row
-    and not one per program: a row's maximum stays inside a warp, a tile's crosses warps (a
-    barrier in every program)."""
+    path too (sm_90, bf16 D128 documents mask, bytes of spill stores by ``ptxas -v``, a probe not
+    recorded: forward 928 against 108 without the attempt, dK/dV 2256 against 1348, dQ 772
+    against 336), and cost time (H100, same process, device time, median of 6 rounds: documents
+    forward 0.924 against 0.844 ms without it, forward + backward 3.328 against 3.042 ms;
+    bench/results/ab_attention_in_kernel_retry.json). This design's A/B is ab_attention.json
+    there. Why flags per row and not one per program: a row's maximum stays inside a warp, a
+    tile's crosses warps (a barrier in every program)."""
     return tl.max(tl.where(_finite(x), 0, 1), 1).to(tl.int8)
 
 
@@ -418,8 +419,8 @@ def _fwd_program(
     n_full = _clamp(tl.load(full_count_ptr + row), n_kv_blocks)
     acc, m_i, l_i = _fwd_tiles(
         acc, m_i, l_i, q, offs_m, q_seg, q_pos,
-        partial_index_ptr + row.to(tl.int64) * n_kv_blocks, n_partial, n_kv_blocks, k_base,
-        v_base, ids_base, stride_kind, mask_base, bias_base, stride_bt, stride_bs,
+        partial_index_ptr + row.to(tl.int64) * n_kv_blocks, n_partial, n_kv_blocks,
+        k_base, v_base, ids_base, stride_kind, mask_base, bias_base, stride_bt, stride_bs,
         window_left, window_right, window2_left, window2_right, T, S, SCALE, SOFT_CAP, D,
         DV, BD, BDV, BK, True, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK,
         CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP,
@@ -596,17 +597,20 @@ def _dkv_tiles(dk, dv, k, v, offs_n, list_ptr, count, n_blocks, i_bh64, q_ptr, d
 @triton.jit
 def _dkv_heads(k, v, offs_n, i_b, i_kvh, i_n, q_ptr, do_ptr, lse_ptr, delta_ptr, ids_base,
                token_mask_ptr, bias_ptr, t_partial_count_ptr, t_partial_index_ptr,
-               t_full_count_ptr, t_full_index_ptr, window_left, window_right, window2_left,
-               window2_right, T, S, n_q_blocks, n_kv_blocks, stride_kind, stride_mask_b,
-               stride_mask_h, stride_bb, stride_bh, stride_bt, stride_bs, stride_bm_b, stride_bm_h,
-               SCALE: tl.constexpr, SOFT_CAP: tl.constexpr, H: tl.constexpr, G: tl.constexpr,
-               D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
-               BQ: tl.constexpr, BK: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
-               IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr,
-               CLAUSE2: tl.constexpr, HAS_SEGMENTS2: tl.constexpr, IS_CAUSAL2: tl.constexpr,
-               HAS_WINDOW2: tl.constexpr, HAS_BIAS: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+               t_full_count_ptr, t_full_index_ptr, window_left, window_right,
+               window2_left, window2_right, T, S, n_q_blocks, n_kv_blocks, stride_kind,
+               stride_mask_b, stride_mask_h, stride_bb, stride_bh, stride_bt, stride_bs,
+               stride_bm_b, stride_bm_h, SCALE: tl.constexpr, SOFT_CAP: tl.constexpr,
+               H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+               BD: tl.constexpr, BDV: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,
+               HAS_SEGMENTS: tl.constexpr, IS_CAUSAL: tl.constexpr,
+               HAS_WINDOW: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr,
+               CLAUSE2: tl.constexpr, HAS_SEGMENTS2: tl.constexpr,
+               IS_CAUSAL2: tl.constexpr, HAS_WINDOW2: tl.constexpr,
+               HAS_BIAS: tl.constexpr, USE_SOFTCAP: tl.constexpr,
                DOT_PRECISION: tl.constexpr, EVEN_S: tl.constexpr, SAFE: tl.constexpr):
-    """dK, dV of one key block over the query heads it serves: partial tiles, then full ones."""
+    """dK, dV of one key block over the query heads it serves: partial tiles, then full
+    ones."""
     dk = tl.zeros([BK, BD], tl.float32)
     dv = tl.zeros([BK, BDV], tl.float32)
     for g in range(G):  # the query heads this key/value head serves
@@ -619,19 +623,21 @@ def _dkv_heads(k, v, offs_n, i_b, i_kvh, i_n, q_ptr, do_ptr, lse_ptr, delta_ptr,
         n_partial = _clamp(tl.load(t_partial_count_ptr + col), n_q_blocks)
         n_full = _clamp(tl.load(t_full_count_ptr + col), n_q_blocks)
         dk, dv = _dkv_tiles(
-            dk, dv, k, v, offs_n, t_partial_index_ptr + col.to(tl.int64) * n_q_blocks, n_partial,
-            n_q_blocks, i_bh64, q_ptr, do_ptr, lse_ptr, delta_ptr, ids_base, stride_kind, mask_base,
-            bias_base, stride_bt, stride_bs, window_left, window_right, window2_left, window2_right,
-            T, S, SCALE, SOFT_CAP, D, DV, BD, BDV, BQ, True, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW,
-            HAS_TOKEN_MASK, CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP,
-            DOT_PRECISION, EVEN_S, SAFE)
+            dk, dv, k, v, offs_n, t_partial_index_ptr + col.to(tl.int64) * n_q_blocks,
+            n_partial, n_q_blocks, i_bh64, q_ptr, do_ptr, lse_ptr, delta_ptr, ids_base,
+            stride_kind, mask_base, bias_base, stride_bt, stride_bs, window_left,
+            window_right, window2_left, window2_right, T, S, SCALE, SOFT_CAP, D, DV, BD,
+            BDV, BQ, True, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2,
+            HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP, DOT_PRECISION,
+            EVEN_S, SAFE)
         dk, dv = _dkv_tiles(
-            dk, dv, k, v, offs_n, t_full_index_ptr + col.to(tl.int64) * n_q_blocks, n_full,
-            n_q_blocks, i_bh64, q_ptr, do_ptr, lse_ptr, delta_ptr, ids_base, stride_kind, mask_base,
-            bias_base, stride_bt, stride_bs, window_left, window_right, window2_left, window2_right,
-            T, S, SCALE, SOFT_CAP, D, DV, BD, BDV, BQ, False, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW,
-            HAS_TOKEN_MASK, CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP,
-            DOT_PRECISION, EVEN_S, False)
+            dk, dv, k, v, offs_n, t_full_index_ptr + col.to(tl.int64) * n_q_blocks,
+            n_full, n_q_blocks, i_bh64, q_ptr, do_ptr, lse_ptr, delta_ptr, ids_base,
+            stride_kind, mask_base, bias_base, stride_bt, stride_bs, window_left,
+            window_right, window2_left, window2_right, T, S, SCALE, SOFT_CAP, D, DV, BD,
+            BDV, BQ, False, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2,
+            HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP, DOT_PRECISION,
+            EVEN_S, False)
     return dk, dv
 
 
@@ -672,13 +678,13 @@ def _dkv_program(
     ids_base = ids_ptr + i_b * stride_ids_b
     dk, dv = _dkv_heads(
         k, v, offs_n, i_b, i_kvh, i_n, q_ptr, do_ptr, lse_ptr, delta_ptr, ids_base,
-        token_mask_ptr, bias_ptr, t_partial_count_ptr, t_partial_index_ptr, t_full_count_ptr,
-        t_full_index_ptr, window_left, window_right, window2_left, window2_right, T, S,
-        n_q_blocks, n_kv_blocks, stride_kind, stride_mask_b, stride_mask_h, stride_bb,
-        stride_bh, stride_bt, stride_bs, stride_bm_b, stride_bm_h, SCALE, SOFT_CAP, H, G, D,
-        DV, BD, BDV, BQ, BK, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2,
-        HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP, DOT_PRECISION, EVEN_S,
-        SAFE)
+        token_mask_ptr, bias_ptr, t_partial_count_ptr, t_partial_index_ptr,
+        t_full_count_ptr, t_full_index_ptr, window_left, window_right, window2_left,
+        window2_right, T, S, n_q_blocks, n_kv_blocks, stride_kind, stride_mask_b,
+        stride_mask_h, stride_bb, stride_bh, stride_bt, stride_bs, stride_bm_b,
+        stride_bm_h, SCALE, SOFT_CAP, H, G, D, DV, BD, BDV, BQ, BK, HAS_SEGMENTS,
+        IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2,
+        HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP, DOT_PRECISION, EVEN_S, SAFE)
     kv_rows = in_kv[:, None]
     tl.store(dk_ptr + i_bkv64 * S * D + offs_n[:, None] * D + offs_d[None, :],
              (dk * SCALE).to(dk_ptr.dtype.element_ty),

@@ -69,6 +69,28 @@ def test_several_outputs_and_int_dtypes(rng):
     np.testing.assert_array_equal(np.asarray(idx), np.arange(50))
 
 
+@triton.jit
+def double_prefix_kernel(x_ptr, start_ptr, n, out_ptr, BLOCK: tl.constexpr):
+    """out[:n] = 2 x[:n]; the rest of out is not written (out aliases start)."""
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offsets, mask=offsets < n)
+    tl.store(out_ptr + offsets, 2 * x, mask=offsets < n)
+
+
+@pytest.mark.parametrize("blocks", [1, 0])
+def test_an_aliased_output_starts_as_its_input(rng, blocks):
+    """input_output_aliases (jax-triton's convention: indices among the array arguments): what
+    the kernel does not write keeps the input's values; with an empty grid, all of it does."""
+    x, start = (jnp.asarray(rng.standard_normal(300), jnp.float32) for _ in range(2))
+    out = triton_call(x, start, 120, kernel=double_prefix_kernel, grid=(blocks * 3,), BLOCK=128,
+                      out_shape=jax.ShapeDtypeStruct((300,), jnp.float32),
+                      input_output_aliases={1: 0})
+    out, x, start = np.asarray(out), np.asarray(x), np.asarray(start)
+    written = 120 if blocks else 0
+    np.testing.assert_array_equal(out[:written], 2 * x[:written])
+    np.testing.assert_array_equal(out[written:], start[written:])
+
+
 def test_custom_vjp_and_grad(rng):
     @jax.custom_vjp
     def scaled_add(x, y):
