@@ -102,6 +102,17 @@ _MAX_GRID_YZ = 65535  # CUDA's limit on the 2nd and 3rd grid dimensions
 # where the tokens are contiguous: there ``TOKENS_CONTIGUOUS`` puts element ``(n, t, c)`` at
 # ``(n*C + c)*T + t``. Both are reshapes of the caller's array, never copies; strides are spelled
 # out in the kernel (not passed in) so Triton knows which axis is contiguous and vectorises it.
+#
+# ``C`` is a compile-time constant for the same reason. jax-triton (0.3.1) passes an int argument
+# with no divisibility hint, so with ``C`` a runtime int Triton cannot prove that a row of columns
+# starts 16-byte aligned, nor that the mask ``cols < C`` is constant over 8 columns, and it loads
+# and stores one element per instruction: the PTX for sm_90 of a 64 x 32 tile held 16
+# ``ld.global.b16`` per thread in bfloat16 (16 ``ld.global.b32`` in float32). Knowing ``C``
+# (2048 in the benchmark) it emits 2 ``ld.global.v4.b32`` (4 in float32), 16 bytes each. Element
+# by element, bfloat16 issued as many memory instructions as float32 for half the bytes, and on
+# the H100 it reached 73% of the copy bandwidth where float32 reached 94% (bench/results/cumsum.json,
+# chunk-local, [4, 4096, 16, 128]). ``C`` is heads x features, fixed for a model: one compile per
+# model, as the autotuner's key already had it.
 # ----------------------------------------------------------------------------------------------
 
 
@@ -110,8 +121,8 @@ def _scan_span(
     x_ptr, out_ptr,  # this program's row: its element (t, c) is at offset t*C + c (or c*T + t)
     start, end,  # the segment: tokens start <= t < end
     keep,  # False for padding past cu_seqlens[-1]: read nothing, write zeros
-    T, C, scale,
-    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    T, C: tl.constexpr, scale,
+    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, NUM_STAGES: tl.constexpr,
     REVERSE: tl.constexpr, TOKENS_CONTIGUOUS: tl.constexpr,
 ):
     """Write the (reverse) cumulative sum of tokens [start, end) for this program's column tile.
@@ -122,11 +133,21 @@ def _scan_span(
     backwards: row ``i`` of the block is token ``end - 1 - i`` (then ``end - 1 - BLOCK_T - i``, ...),
     so the same forward ``tl.cumsum`` gives suffix sums (measured faster on an H100 than
     ``tl.cumsum(..., reverse=True)``).
+
+    With ``NUM_STAGES > 1`` Triton pipelines the walk: the loads of the next ``NUM_STAGES - 1``
+    blocks are issued (``cp.async``, into shared memory) before the current block is scanned.
+    Without it a program has one block of loads in flight and waits out the memory's latency at
+    every step; that bounds a long walk (the global kernel) by bytes in flight, and a bfloat16
+    block holds half the bytes of a float32 one. A program that scans one block (a chunk no
+    longer than ``BLOCK_T``) has nothing to overlap: the local launcher passes 1 then.
     """
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_mask = cols < C
+    # jax-triton hands a Python float over as float64: multiplying the float32 sums by it would
+    # convert every element to float64 and back. (The default scale, 1.0, arrives as the constant 1.)
+    scale = tl.cast(scale, tl.float32)
     carry = tl.zeros([BLOCK_C], dtype=tl.float32)
-    for first in range(0, end - start, BLOCK_T):
+    for first in tl.range(0, end - start, BLOCK_T, num_stages=NUM_STAGES):
         if REVERSE:
             tokens = end - 1 - first - tl.arange(0, BLOCK_T)
         else:
@@ -144,7 +165,8 @@ def _scan_span(
 
 
 # Autotuning (on the GPU) picks the column width and warps; the interpreter and the first compile
-# use the first config. The local kernel's token block is fixed by the chunk size (see _launch).
+# use the first config. The local kernel's token block and stages are fixed by the chunk size (see
+# _launch_rows).
 # Wide tiles suit bfloat16 (more bytes per program), narrow ones few columns (scalar gates).
 _LOCAL_CONFIGS = [
     triton.Config({"BLOCK_C": 32}, num_warps=4),
@@ -158,9 +180,9 @@ _LOCAL_CONFIGS = [
 
 @triton.jit
 def chunk_local_cumsum_kernel(
-    x_ptr, cu_seqlens_ptr, chunk_indices_ptr, T, C, num_seqs, scale, out_ptr,
-    CHUNK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-    REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr, TOKENS_CONTIGUOUS: tl.constexpr,
+    x_ptr, cu_seqlens_ptr, chunk_indices_ptr, T, num_seqs, scale, out_ptr,
+    C: tl.constexpr, CHUNK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    NUM_STAGES: tl.constexpr, REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr, TOKENS_CONTIGUOUS: tl.constexpr,
 ):
     """Grid ``(chunks, column tiles, rows)``: one program scans one chunk of one row's column tile.
 
@@ -186,7 +208,7 @@ def chunk_local_cumsum_kernel(
         end = tl.minimum(start + CHUNK, T)
         keep = True
     _scan_span(x_ptr + row, out_ptr + row, start, end, keep, T, C, scale, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C,
-               REVERSE=REVERSE, TOKENS_CONTIGUOUS=TOKENS_CONTIGUOUS)
+               NUM_STAGES=NUM_STAGES, REVERSE=REVERSE, TOKENS_CONTIGUOUS=TOKENS_CONTIGUOUS)
 
 
 _local_autotuned = triton.autotune(configs=_LOCAL_CONFIGS, key=["T", "C"])(chunk_local_cumsum_kernel)
@@ -195,22 +217,29 @@ _local_autotuned = triton.autotune(configs=_LOCAL_CONFIGS, key=["T", "C"])(chunk
 # The global kernel runs the same loop over a whole sequence. Its parallelism is rows x column
 # tiles x sequences, and its time is the length of the walk. With few rows and columns (scalar
 # gates, [8, 8192, 16]: 128 independent sums) narrow, tall tiles give more programs and fewer steps
-# each; with many (vector gates) wide tiles read longer contiguous runs.
-_GLOBAL_CONFIGS = [
-    triton.Config({"BLOCK_T": 64, "BLOCK_C": 32}, num_warps=4),
-    triton.Config({"BLOCK_T": 128, "BLOCK_C": 16}, num_warps=4),
-    triton.Config({"BLOCK_T": 32, "BLOCK_C": 64}, num_warps=4),
-    triton.Config({"BLOCK_T": 128, "BLOCK_C": 32}, num_warps=8),
-    triton.Config({"BLOCK_T": 256, "BLOCK_C": 16}, num_warps=8),
-    triton.Config({"BLOCK_T": 512, "BLOCK_C": 8}, num_warps=4),
-    triton.Config({"BLOCK_T": 1024, "BLOCK_C": 4}, num_warps=4),
+# each; with many (vector gates) wide tiles read longer contiguous runs. The walk keeps NUM_STAGES
+# blocks in flight (see _scan_span): the vector benchmark, [4, 4096, 16, 128], has only 256 walks
+# of 64 x 32 columns for 132 SMs, and one such block is 4 KB of bfloat16 (8 KB of float32); with
+# one block in flight the global kernel reached 54% of the copy bandwidth in bfloat16, 85% in
+# float32.
+_GLOBAL_TILES = [  # (BLOCK_T, BLOCK_C, num_warps, NUM_STAGES)
+    (64, 32, 4, 3),
+    (128, 16, 4, 3),
+    (32, 64, 4, 3),
+    (128, 32, 8, 3),
+    (256, 16, 8, 3),
+    (256, 32, 8, 2),
+    (512, 8, 4, 3),
+    (1024, 4, 4, 3),
 ]
+_GLOBAL_CONFIGS = [triton.Config({"BLOCK_T": t, "BLOCK_C": c, "NUM_STAGES": s}, num_warps=w, num_stages=s)
+                   for t, c, w, s in _GLOBAL_TILES]
 
 
 @triton.jit
 def chunk_global_cumsum_kernel(
-    x_ptr, cu_seqlens_ptr, T, C, num_seqs, scale, out_ptr,
-    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    x_ptr, cu_seqlens_ptr, T, num_seqs, scale, out_ptr,
+    C: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, NUM_STAGES: tl.constexpr,
     REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr, TOKENS_CONTIGUOUS: tl.constexpr,
 ):
     """Grid ``(sequences, column tiles, rows)``: one program scans one whole sequence."""
@@ -226,7 +255,7 @@ def chunk_global_cumsum_kernel(
         end = T
         keep = True
     _scan_span(x_ptr + row, out_ptr + row, start, end, keep, T, C, scale, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C,
-               REVERSE=REVERSE, TOKENS_CONTIGUOUS=TOKENS_CONTIGUOUS)
+               NUM_STAGES=NUM_STAGES, REVERSE=REVERSE, TOKENS_CONTIGUOUS=TOKENS_CONTIGUOUS)
 
 
 _global_autotuned = triton.autotune(configs=_GLOBAL_CONFIGS, key=["T", "C"])(chunk_global_cumsum_kernel)
@@ -248,7 +277,9 @@ class CumsumConfig:
     * ``block_t``: tokens scanned per step, a power of two; the local kernel takes
       ``min(block_t, chunk_size)`` (its chunks are the segments).
     * ``block_c``: columns per program, a power of two.
-    * ``num_warps`` (a power of two) and ``num_stages``: as in ``triton.Config``.
+    * ``num_warps``: a power of two, as in ``triton.Config``.
+    * ``num_stages``: blocks of loads in flight in a walk (``NUM_STAGES``, Triton's software
+      pipelining; 1: none). The local kernel uses 1 when a chunk is one block.
     """
 
     block_t: int = 64
@@ -322,9 +353,9 @@ def _launch_rows(x, cu_seqlens, *, chunk_size, reverse, scale, head_first, out_d
         num_segments = num_seqs + 1 if varlen else 1
         kernel = _global_autotuned if config is None else chunk_global_cumsum_kernel
         if config is not None:
-            pinned["BLOCK_T"] = config.block_t
+            pinned.update(BLOCK_T=config.block_t, NUM_STAGES=config.num_stages)
         out = triton_call(
-            view, cu, T, C, num_seqs, scale, kernel=kernel,
+            view, cu, T, num_seqs, scale, kernel=kernel, C=C,
             grid=lambda meta: (num_segments, cdiv(C, meta["BLOCK_C"]), N), **common, **pinned,
         )
         return out.reshape(x.shape)
@@ -338,12 +369,14 @@ def _launch_rows(x, cu_seqlens, *, chunk_size, reverse, scale, head_first, out_d
     else:
         total = cdiv(T, chunk_size)
         chunk_indices = cu  # never read
-    block_t = CumsumConfig.block_t if config is None else config.block_t
+    block_t = min(chunk_size, CumsumConfig.block_t if config is None else config.block_t)
+    # A chunk of one block is one load and one store: no walk to pipeline.
+    stages = 1 if block_t == chunk_size else (CumsumConfig.num_stages if config is None else config.num_stages)
     out = triton_call(
-        view, cu, chunk_indices, T, C, num_seqs, scale,
+        view, cu, chunk_indices, T, num_seqs, scale, C=C,
         kernel=_local_autotuned if config is None else chunk_local_cumsum_kernel,
         grid=lambda meta: (total, cdiv(C, meta["BLOCK_C"]), N),
-        CHUNK=chunk_size, BLOCK_T=min(chunk_size, block_t), **common, **pinned,
+        CHUNK=chunk_size, BLOCK_T=block_t, NUM_STAGES=stages, **common, **pinned,
     )
     return out.reshape(x.shape)
 
