@@ -1,0 +1,552 @@
+# A frozen copy of ejk_lite/cumsum.py at 205eed6 (the code bench/results/cumsum.json measured), so that
+# .scratch_cumsum/time_variants.py can time it against the changed module in one run. Not part of the package.
+"""Chunked cumulative sums: ``chunk_local_cumsum`` and ``chunk_global_cumsum``.
+
+Gated linear-attention models (GLA, RetNet, Mamba-2, gated DeltaNet, ...) give every token a
+log-decay ``g[t] <= 0``. The decay between positions ``s <= t`` is ``exp(G[t] - G[s])`` with
+``G = cumsum(g)``, so the running sum of the gates is the first thing such a layer computes:
+
+* chunked algorithms cut the sequence into chunks of ``chunk_size`` tokens and need the sums
+  *inside* each chunk: ``chunk_local_cumsum`` restarts the sum at every chunk;
+* recurrent and state-passing steps need them over the whole sequence: ``chunk_global_cumsum``.
+
+``reverse=True`` gives suffix sums instead (from the token to the end of its chunk or sequence); a
+reverse cumsum is also the gradient of a forward one.
+
+Both are one computation, a *segmented* cumulative sum. The token axis is cut into segments, and
+each output is the sum of its segment's inputs up to (reverse: from) that token::
+
+    x        = [ 1   2   3   4 | 5   6   7 ]          two segments
+    forward  = [ 1   3   6  10 | 5  11  18 ]
+    reverse  = [10   9   7   4 | 18 13   7 ]
+
+Local cumsum: the segments are chunks. Global cumsum: the segments are whole sequences.
+
+Shapes. A *scalar* input is ``[B, T, H]`` (one gate per token and head), a *vector* input is
+``[B, T, H, S]`` (one per token, head and feature); with ``head_first=True`` they are ``[B, H, T]``
+and ``[B, H, T, S]``. With ``cu_seqlens`` the batch must be 1 and its token axis packs several
+sequences back to back (see :mod:`ejk_lite.packing`): global sums restart at each sequence; local
+chunks are counted from each sequence's first token, so a chunk never straddles two sequences and
+a sequence's last chunk may be short. Tokens past ``cu_seqlens[-1]`` belong to no sequence; their
+output (and gradient) is zero. ``cu_seqlens`` may be traced under ``jax.jit``; its values cannot
+be checked then, and both implementations use the nearest valid packing instead
+(:func:`ejk_lite.packing.sanitize_cu_seqlens`): garbage offsets give wrong sums, never a crash.
+Sums are accumulated in float32 whatever the input dtype; the output has the input dtype unless
+``output_dtype`` says otherwise, and ``softmax_scale`` multiplies the sums before that final cast.
+
+Implementations (``impl=``):
+
+* ``"triton"``: two kernels sharing one loop, :func:`_scan_span`. A program owns one segment of one
+  row and a tile of ``BLOCK_C`` columns; it walks the segment in blocks of ``BLOCK_T`` tokens,
+  scans each block with ``tl.cumsum`` and carries the float32 running sum into the next block.
+  Reverse sums read the segment backwards and scan forwards.
+  The local kernel has one program per (chunk, column tile, row); the global kernel one per
+  (sequence, column tile, row). Every element is read once and written once. Under ``jax.vmap``
+  the mapped axis is folded into the rows: a batch is one launch.
+* ``"xla"``: plain ``jax.numpy``/``lax`` ops, differentiated by JAX itself.
+* ``"auto"``: Triton on a GPU, XLA otherwise (the interpreter is for testing, not for speed).
+
+Tiles (``config=``): by default Triton's autotuner picks the column width, warps and (global)
+token block on the GPU from the lists below; a :class:`CumsumConfig` pins one instead.
+
+The module reads top to bottom as every op of ejk_lite: the kernels, the launchers ``_fwd`` /
+``_bwd``, one ``custom_vjp``, the XLA implementation, the references, the public functions.
+
+``reference_local_cumsum`` / ``reference_global_cumsum`` define the answer as directly as
+possible, a masked matrix product (O(T²) memory): for tests and the book, not for speed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import triton
+import triton.language as tl
+from jax import lax
+
+from ejk_lite.checks import (
+    check_config,
+    check_floating,
+    check_triton_dtype,
+    freeze_fields,
+    power_of_two,
+    resolve_impl,
+    static_float,
+    validated_fields,
+)
+from ejk_lite.launch import triton_call, vmap_by_folding
+from ejk_lite.packing import (
+    cdiv,
+    check_packed_batch,
+    checked_cu_seqlens,
+    prepare_chunk_indices,
+    prepare_position_ids,
+    sanitize_cu_seqlens,
+)
+
+__all__ = ["chunk_local_cumsum", "chunk_global_cumsum", "reference_local_cumsum", "reference_global_cumsum",
+           "CumsumConfig"]
+
+_MAX_GRID_YZ = 65535  # CUDA's limit on the 2nd and 3rd grid dimensions
+
+
+# ----------------------------------------------------------------------------------------------
+# The kernels.
+#
+# The kernels see every input as ``rows`` of a ``[N, T, C]`` array: ``N`` independent rows (batch
+# entries, or (batch, head) pairs), ``T`` tokens, ``C`` columns that are summed independently (heads,
+# features). Element ``(n, t, c)`` sits at ``(n*T + t)*C + c``, so a tile of tokens x columns reads
+# whole contiguous rows of columns. The one exception is the head-first scalar layout ``[B, H, T]``,
+# where the tokens are contiguous: there ``TOKENS_CONTIGUOUS`` puts element ``(n, t, c)`` at
+# ``(n*C + c)*T + t``. Both are reshapes of the caller's array, never copies; strides are spelled
+# out in the kernel (not passed in) so Triton knows which axis is contiguous and vectorises it.
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _scan_span(
+    x_ptr, out_ptr,  # this program's row: its element (t, c) is at offset t*C + c (or c*T + t)
+    start, end,  # the segment: tokens start <= t < end
+    keep,  # False for padding past cu_seqlens[-1]: read nothing, write zeros
+    T, C, scale,
+    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    REVERSE: tl.constexpr, TOKENS_CONTIGUOUS: tl.constexpr,
+):
+    """Write the (reverse) cumulative sum of tokens [start, end) for this program's column tile.
+
+    Tokens are taken ``BLOCK_T`` at a time. Each block is scanned on its own with ``tl.cumsum``
+    and the running total of the blocks before it is added: the classic two-level scan, with the
+    upper level a single float32 register per column. A reverse sum is a forward sum read
+    backwards: row ``i`` of the block is token ``end - 1 - i`` (then ``end - 1 - BLOCK_T - i``, ...),
+    so the same forward ``tl.cumsum`` gives suffix sums (measured faster on an H100 than
+    ``tl.cumsum(..., reverse=True)``).
+    """
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_mask = cols < C
+    carry = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for first in range(0, end - start, BLOCK_T):
+        if REVERSE:
+            tokens = end - 1 - first - tl.arange(0, BLOCK_T)
+        else:
+            tokens = start + first + tl.arange(0, BLOCK_T)
+        if TOKENS_CONTIGUOUS:
+            offsets = tokens[:, None] + cols[None, :] * T
+        else:
+            offsets = tokens[:, None] * C + cols[None, :]
+        mask = (tokens[:, None] >= start) & (tokens[:, None] < end) & col_mask[None, :]
+        # Masked tokens load as 0: they add nothing to the sums of the tokens that are kept.
+        x = tl.load(x_ptr + offsets, mask=mask & keep, other=0.0).to(tl.float32)
+        sums = tl.cumsum(x, axis=0) + carry[None, :]
+        carry += tl.sum(x, axis=0)
+        tl.store(out_ptr + offsets, (sums * scale).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# Autotuning (on the GPU) picks the column width and warps; the interpreter and the first compile
+# use the first config. The local kernel's token block is fixed by the chunk size (see _launch).
+# Wide tiles suit bfloat16 (more bytes per program), narrow ones few columns (scalar gates).
+_LOCAL_CONFIGS = [
+    triton.Config({"BLOCK_C": 32}, num_warps=4),
+    triton.Config({"BLOCK_C": 16}, num_warps=2),
+    triton.Config({"BLOCK_C": 64}, num_warps=4),
+    triton.Config({"BLOCK_C": 128}, num_warps=4),
+    triton.Config({"BLOCK_C": 128}, num_warps=8),
+    triton.Config({"BLOCK_C": 256}, num_warps=8),
+]
+
+
+@triton.jit
+def chunk_local_cumsum_kernel(
+    x_ptr, cu_seqlens_ptr, chunk_indices_ptr, T, C, num_seqs, scale, out_ptr,
+    CHUNK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr, TOKENS_CONTIGUOUS: tl.constexpr,
+):
+    """Grid ``(chunks, column tiles, rows)``: one program scans one chunk of one row's column tile.
+
+    Without ``cu_seqlens`` chunk ``i`` is tokens ``[i*CHUNK, (i+1)*CHUNK)``. With it, row ``i`` of
+    ``chunk_indices`` names (sequence, chunk within the sequence); rows of ``-1`` (spare programs
+    when the chunk count was bounded from above, under ``jax.jit``) own no tokens.
+    """
+    i_chunk = tl.program_id(0)
+    row = tl.program_id(2).to(tl.int64) * T * C
+    if IS_VARLEN:
+        # Every index loaded from memory is clamped before it addresses anything (the launch
+        # already hands over a valid packing; this is the second line of defence): whatever
+        # chunk_indices and cu_seqlens hold, 0 <= start <= end <= T.
+        seq = tl.minimum(tl.load(chunk_indices_ptr + 2 * i_chunk), num_seqs)
+        chunk = tl.load(chunk_indices_ptr + 2 * i_chunk + 1)
+        keep = seq < num_seqs  # the last "sequence" is the padding past cu_seqlens[-1]
+        bos = tl.minimum(tl.maximum(tl.load(cu_seqlens_ptr + tl.maximum(seq, 0)), 0), T)
+        eos = tl.minimum(tl.maximum(tl.load(cu_seqlens_ptr + tl.maximum(seq, 0) + 1), bos), T)
+        start = tl.minimum(tl.maximum(bos + chunk * CHUNK, bos), eos)
+        end = tl.where(seq >= 0, tl.minimum(start + CHUNK, eos), start)
+    else:
+        start = i_chunk * CHUNK
+        end = tl.minimum(start + CHUNK, T)
+        keep = True
+    _scan_span(x_ptr + row, out_ptr + row, start, end, keep, T, C, scale, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C,
+               REVERSE=REVERSE, TOKENS_CONTIGUOUS=TOKENS_CONTIGUOUS)
+
+
+_local_autotuned = triton.autotune(configs=_LOCAL_CONFIGS, key=["T", "C"])(chunk_local_cumsum_kernel)
+
+
+# The global kernel runs the same loop over a whole sequence. Its parallelism is rows x column
+# tiles x sequences, and its time is the length of the walk. With few rows and columns (scalar
+# gates, [8, 8192, 16]: 128 independent sums) narrow, tall tiles give more programs and fewer steps
+# each; with many (vector gates) wide tiles read longer contiguous runs.
+_GLOBAL_CONFIGS = [
+    triton.Config({"BLOCK_T": 64, "BLOCK_C": 32}, num_warps=4),
+    triton.Config({"BLOCK_T": 128, "BLOCK_C": 16}, num_warps=4),
+    triton.Config({"BLOCK_T": 32, "BLOCK_C": 64}, num_warps=4),
+    triton.Config({"BLOCK_T": 128, "BLOCK_C": 32}, num_warps=8),
+    triton.Config({"BLOCK_T": 256, "BLOCK_C": 16}, num_warps=8),
+    triton.Config({"BLOCK_T": 512, "BLOCK_C": 8}, num_warps=4),
+    triton.Config({"BLOCK_T": 1024, "BLOCK_C": 4}, num_warps=4),
+]
+
+
+@triton.jit
+def chunk_global_cumsum_kernel(
+    x_ptr, cu_seqlens_ptr, T, C, num_seqs, scale, out_ptr,
+    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr, TOKENS_CONTIGUOUS: tl.constexpr,
+):
+    """Grid ``(sequences, column tiles, rows)``: one program scans one whole sequence."""
+    row = tl.program_id(2).to(tl.int64) * T * C
+    if IS_VARLEN:
+        seq = tl.program_id(0)
+        # Clamped as in the local kernel: 0 <= start <= end <= T whatever cu_seqlens holds.
+        start = tl.minimum(tl.maximum(tl.load(cu_seqlens_ptr + seq), 0), T)
+        end = tl.minimum(tl.maximum(tl.load(cu_seqlens_ptr + seq + 1), start), T)
+        keep = seq < num_seqs
+    else:
+        start = 0
+        end = T
+        keep = True
+    _scan_span(x_ptr + row, out_ptr + row, start, end, keep, T, C, scale, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C,
+               REVERSE=REVERSE, TOKENS_CONTIGUOUS=TOKENS_CONTIGUOUS)
+
+
+_global_autotuned = triton.autotune(configs=_GLOBAL_CONFIGS, key=["T", "C"])(chunk_global_cumsum_kernel)
+
+
+# ----------------------------------------------------------------------------------------------
+# The config: pinned tiles instead of the autotuner's pick.
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class CumsumConfig:
+    """Tiles of the cumsum kernels, pinned (``config=None``: autotuned, see above).
+
+    One config serves both directions: the backward is the same kernel with ``reverse``
+    flipped, so what suits one suits the other. The defaults are the first autotune config
+    of each kernel (the one the interpreter runs).
+
+    * ``block_t``: tokens scanned per step, a power of two; the local kernel takes
+      ``min(block_t, chunk_size)`` (its chunks are the segments).
+    * ``block_c``: columns per program, a power of two.
+    * ``num_warps`` (a power of two) and ``num_stages``: as in ``triton.Config``.
+    """
+
+    block_t: int = 64
+    block_c: int = 32
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self):
+        freeze_fields(self, validated_fields(self, powers_of_two=("block_t", "block_c", "num_warps")))
+        for name in ("block_t", "block_c", "num_warps", "num_stages"):
+            if getattr(self, name) is None:
+                raise ValueError(f"CumsumConfig.{name} must be a positive int, got None")
+
+
+# ----------------------------------------------------------------------------------------------
+# Launching the kernels, and their gradient.
+# ----------------------------------------------------------------------------------------------
+
+
+def _kernel_view(x: jax.Array, head_first: bool) -> tuple[jax.Array, int, int, int, bool]:
+    """``x`` reshaped to the kernels' rows: ``(view, N, T, C, tokens_contiguous)``."""
+    if head_first and x.ndim == 3:  # [B, H, T]: each head's tokens are contiguous
+        B, H, T = x.shape
+        return x, B, T, H, True
+    if head_first:  # [B, H, T, S] -> [B*H, T, S]
+        B, H, T, S = x.shape
+        return x.reshape(B * H, T, S), B * H, T, S, False
+    B, T = x.shape[:2]  # [B, T, H] or [B, T, H, S] -> [B, T, H*S]
+    C = int(np.prod(x.shape[2:]))
+    return x.reshape(B, T, C), B, T, C, False
+
+
+def _launch(x, cu_seqlens, chunk_size, reverse, scale, head_first, out_dtype, config=None):
+    """Run the local kernel (``chunk_size`` given) or the global one (``None``) on ``x``.
+
+    Under ``jax.vmap`` the mapped axis is folded into the batch axis: the kernels' rows are
+    independent and share ``cu_seqlens``, so a batch of ``n`` inputs is one launch over ``n * B``
+    rows. A mapped ``cu_seqlens`` (each element its own packing) runs one launch per element.
+    """
+    run = functools.partial(_launch_rows, chunk_size=chunk_size, reverse=reverse, scale=scale,
+                            head_first=head_first, out_dtype=out_dtype, config=config)
+    return vmap_by_folding(run, in_axes=(0, None), out_axes=0)(x, cu_seqlens)
+
+
+def _launch_rows(x, cu_seqlens, *, chunk_size, reverse, scale, head_first, out_dtype, config):
+    if x.size == 0:
+        return jnp.zeros(x.shape, out_dtype)
+    view, N, T, C, tokens_contiguous = _kernel_view(x, head_first)
+    if N > _MAX_GRID_YZ:
+        raise ValueError(f"{N} rows (batch, or batch x heads when head_first with vectors, times "
+                         f"the size of any vmapped axes) exceed the grid limit of {_MAX_GRID_YZ}; "
+                         f"use impl='xla'")
+    if T * C >= 2**31:
+        raise ValueError(f"one row of {T} tokens x {C} columns exceeds 2**31 elements; use impl='xla'")
+    varlen = cu_seqlens is not None
+    if varlen:
+        # One extra "sequence" covers the tokens past cu_seqlens[-1] (usually none): the kernels
+        # give it zeros, so every output element is written by exactly one program.
+        num_seqs = cu_seqlens.shape[0] - 1
+        cu = jnp.concatenate([cu_seqlens.astype(jnp.int32), jnp.full((1,), T, jnp.int32)])
+    else:
+        num_seqs = 1
+        cu = jnp.zeros((1,), jnp.int32)  # never read: IS_VARLEN is a compile-time False
+    common = dict(
+        out_shape=jax.ShapeDtypeStruct(view.shape, out_dtype),
+        REVERSE=bool(reverse), IS_VARLEN=varlen, TOKENS_CONTIGUOUS=tokens_contiguous,
+    )
+    pinned = {} if config is None else dict(BLOCK_C=config.block_c, num_warps=config.num_warps,
+                                            num_stages=config.num_stages)
+    if chunk_size is None:
+        num_segments = num_seqs + 1 if varlen else 1
+        kernel = _global_autotuned if config is None else chunk_global_cumsum_kernel
+        if config is not None:
+            pinned["BLOCK_T"] = config.block_t
+        out = triton_call(
+            view, cu, T, C, num_seqs, scale, kernel=kernel,
+            grid=lambda meta: (num_segments, cdiv(C, meta["BLOCK_C"]), N), **common, **pinned,
+        )
+        return out.reshape(x.shape)
+    if varlen:
+        # The number of chunks depends on the lengths, which are traced under jax.jit, but the grid
+        # must be static. Launch an upper bound instead: each of the num_seqs + 1 sequences adds at
+        # most one partial chunk to the cdiv(T, chunk_size) full ones. prepare_chunk_indices gives the
+        # spare programs (-1, -1), and they do nothing.
+        total = cdiv(T, chunk_size) + num_seqs + 1
+        chunk_indices = prepare_chunk_indices(cu, chunk_size, total_chunks=total).astype(jnp.int32)
+    else:
+        total = cdiv(T, chunk_size)
+        chunk_indices = cu  # never read
+    block_t = CumsumConfig.block_t if config is None else config.block_t
+    out = triton_call(
+        view, cu, chunk_indices, T, C, num_seqs, scale,
+        kernel=_local_autotuned if config is None else chunk_local_cumsum_kernel,
+        grid=lambda meta: (total, cdiv(C, meta["BLOCK_C"]), N),
+        CHUNK=chunk_size, BLOCK_T=min(chunk_size, block_t), **common, **pinned,
+    )
+    return out.reshape(x.shape)
+
+
+# The gradient of a cumulative sum is the cumulative sum of the cotangent the other way round,
+# over the same segments: out[t] = scale * sum_{u in seg(t), u <= t} x[u] gives
+# dx[u] = scale * sum_{t in seg(u), t >= u} dout[t]. So the backward pass is the same kernel with
+# `reverse` flipped, writing the input's dtype. cu_seqlens (integers) gets no cotangent.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7, 8))
+def _cumsum_triton(x, cu_seqlens, chunk_size, reverse, scale, head_first, out_dtype, in_dtype, config):
+    return _launch(x, cu_seqlens, chunk_size, reverse, scale, head_first, out_dtype, config)
+
+
+def _fwd(x, cu_seqlens, chunk_size, reverse, scale, head_first, out_dtype, in_dtype, config):
+    return _launch(x, cu_seqlens, chunk_size, reverse, scale, head_first, out_dtype, config), cu_seqlens
+
+
+def _bwd(chunk_size, reverse, scale, head_first, out_dtype, in_dtype, config, cu_seqlens, dout):
+    dx = _launch(dout, cu_seqlens, chunk_size, not reverse, scale, head_first, in_dtype, config)
+    return dx, None
+
+
+_cumsum_triton.defvjp(_fwd, _bwd)
+
+
+# ----------------------------------------------------------------------------------------------
+# The XLA implementation: vectorised jax.numpy, differentiated by JAX.
+# ----------------------------------------------------------------------------------------------
+
+
+def _xla_cumsum(x, cu_seqlens, chunk_size, reverse, scale, head_first, out_dtype):
+    axis = 2 if head_first else 1
+    T = x.shape[axis]
+    acc = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    if cu_seqlens is None and chunk_size is None:
+        sums = lax.cumsum(acc, axis=axis, reverse=reverse)
+    elif cu_seqlens is None:
+        # Fixed chunks: pad T to a whole number of chunks, give the chunks their own axis, scan it.
+        num_chunks = cdiv(T, chunk_size)
+        pad = [(0, 0)] * acc.ndim
+        pad[axis] = (0, num_chunks * chunk_size - T)
+        padded = jnp.pad(acc, pad)
+        chunked = padded.reshape(padded.shape[:axis] + (num_chunks, chunk_size) + padded.shape[axis + 1:])
+        sums = lax.cumsum(chunked, axis=axis + 1, reverse=reverse).reshape(padded.shape)
+        sums = lax.slice_in_dim(sums, 0, T, axis=axis)
+    else:
+        flags, inside = _segment_flags(cu_seqlens, T, chunk_size, reverse)
+        sums = _segmented_cumsum(acc, flags, axis, reverse)
+        sums = jnp.where(_along(inside, acc.ndim, axis), sums, 0)
+    return (sums * scale).astype(out_dtype)
+
+
+def _segment_flags(cu_seqlens, T, chunk_size, reverse):
+    """Per token: does a segment start here (ends here, when ``reverse``)? Is it in a sequence?"""
+    position = prepare_position_ids(cu_seqlens, total_tokens=T)  # -1 past cu_seqlens[-1]
+    inside = position >= 0
+    offset = position if chunk_size is None else position % chunk_size
+    starts = (offset == 0) | ~inside  # each padding token is a segment of its own (zeroed later)
+    if not reverse:
+        return starts, inside
+    return jnp.concatenate([starts[1:], jnp.ones((1,), bool)]), inside  # a segment ends before a start
+
+
+def _segmented_cumsum(x, flags, axis, reverse):
+    """Cumulative sum along ``axis`` that restarts wherever ``flags`` is set (Blelloch, 1990).
+
+    Pairs (partial sum, "a segment starts in here") combine associatively: the right operand's
+    sum alone if a segment starts inside it, else both sums added. ``lax.associative_scan`` runs
+    that in O(log T) parallel steps; with ``reverse`` it scans from the end, so the flags mark
+    segment ends.
+    """
+
+    def combine(a, b):
+        a_sum, a_flag = a
+        b_sum, b_flag = b
+        return jnp.where(b_flag, b_sum, a_sum + b_sum), a_flag | b_flag
+
+    flags = jnp.broadcast_to(_along(flags, x.ndim, axis), x.shape)
+    sums, _ = lax.associative_scan(combine, (x, flags), reverse=reverse, axis=axis)
+    return sums
+
+
+def _along(v, ndim, axis):
+    """A per-token vector ``[T]`` shaped to broadcast along ``axis`` of an ``ndim``-array."""
+    shape = [1] * ndim
+    shape[axis] = v.shape[0]
+    return v.reshape(shape)
+
+
+# ----------------------------------------------------------------------------------------------
+# The references: the definition, written as directly as possible.
+# ----------------------------------------------------------------------------------------------
+
+
+def _reference(x, chunk_size, reverse, softmax_scale, cu_seqlens, head_first, output_dtype):
+    x = jnp.asarray(x)
+    axis = 2 if head_first else 1
+    T = x.shape[axis]
+    t = jnp.arange(T)
+    position = t if cu_seqlens is None else prepare_position_ids(jnp.asarray(cu_seqlens), total_tokens=T)
+    offset = position if chunk_size is None else position % chunk_size
+    segment = jnp.where(position >= 0, t - offset, -1)  # a segment is named by its first token
+    same_segment = (segment[:, None] == segment[None, :]) & (segment[:, None] >= 0)
+    counted = t[None, :] >= t[:, None] if reverse else t[None, :] <= t[:, None]
+    acc_dtype = jnp.promote_types(x.dtype, jnp.float32)
+    weights = (same_segment & counted).astype(acc_dtype)  # weights[t, u]: does x[u] count in out[t]?
+    xt = jnp.moveaxis(x.astype(acc_dtype), axis, 1)
+    out = jnp.einsum("tu,bu...->bt...", weights, xt, precision=lax.Precision.HIGHEST)
+    out = jnp.moveaxis(out, 1, axis)
+    if softmax_scale is not None:
+        out = out * softmax_scale
+    return out.astype(x.dtype if output_dtype is None else output_dtype)
+
+
+def reference_local_cumsum(g, chunk_size, reverse=False, softmax_scale=None, cu_seqlens=None,
+                           head_first=False, output_dtype=None):
+    """What :func:`chunk_local_cumsum` computes, as a masked matrix product (small inputs only)."""
+    return _reference(g, chunk_size, reverse, softmax_scale, cu_seqlens, head_first, output_dtype)
+
+
+def reference_global_cumsum(s, reverse=False, cu_seqlens=None, softmax_scale=None, head_first=False,
+                            output_dtype=None):
+    """What :func:`chunk_global_cumsum` computes, as a masked matrix product (small inputs only)."""
+    return _reference(s, None, reverse, softmax_scale, cu_seqlens, head_first, output_dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# The public functions.
+# ----------------------------------------------------------------------------------------------
+
+
+def chunk_local_cumsum(g, chunk_size, reverse=False, softmax_scale=None, cu_seqlens=None,
+                       head_first=False, output_dtype=None, impl="auto", config=None):
+    """Cumulative sum of ``g`` along the tokens, restarting every ``chunk_size`` tokens.
+
+    Args:
+      g: ``[B, T, H]`` or ``[B, T, H, S]`` (``[B, H, T]`` / ``[B, H, T, S]`` when ``head_first``).
+      chunk_size: a power of two. With ``cu_seqlens`` chunks are counted from each sequence's start.
+      reverse: suffix sums (from each token to the end of its chunk) instead of prefix sums.
+      softmax_scale: a Python number multiplying the sums, or ``None``.
+      cu_seqlens: ``[num_seqs + 1]`` integer offsets of packed sequences (batch must be 1); may be
+        traced under ``jax.jit``.
+      head_first: the layout of ``g``.
+      output_dtype: dtype of the result; default ``g.dtype``. Sums accumulate in float32.
+      impl: ``"auto"`` (Triton on a GPU, else XLA), ``"triton"`` or ``"xla"``.
+      config: a :class:`CumsumConfig` pinning the Triton tiles; ``None`` autotunes them.
+
+    Returns:
+      An array shaped like ``g``; differentiable with respect to ``g``.
+    """
+    chunk_size = power_of_two(chunk_size, "chunk_size")
+    return _cumsum(g, "g", chunk_size, reverse, softmax_scale, cu_seqlens, head_first, output_dtype,
+                   impl, config)
+
+
+def chunk_global_cumsum(s, reverse=False, cu_seqlens=None, softmax_scale=None, head_first=False,
+                        output_dtype=None, impl="auto", config=None):
+    """Cumulative sum of ``s`` along the tokens of each whole sequence.
+
+    Arguments as in :func:`chunk_local_cumsum` (note the order: ``reverse, cu_seqlens,
+    softmax_scale``); without ``cu_seqlens`` each batch entry is one sequence.
+    """
+    return _cumsum(s, "s", None, reverse, softmax_scale, cu_seqlens, head_first, output_dtype, impl,
+                   config)
+
+
+def _cumsum(x, name, chunk_size, reverse, softmax_scale, cu_seqlens, head_first, output_dtype, impl,
+            config):
+    impl = resolve_impl(impl)
+    config = check_config(config, CumsumConfig)
+    check_floating(x, name)
+    x = jnp.asarray(x)
+    if x.ndim not in (3, 4):
+        layout = "[B, H, T] or [B, H, T, S]" if head_first else "[B, T, H] or [B, T, H, S]"
+        raise ValueError(f"{name} must be {layout} (rank 3 or 4), got shape {x.shape}")
+    scale = 1.0 if softmax_scale is None else static_float(softmax_scale, "softmax_scale")
+    try:
+        out_dtype = jnp.dtype(x.dtype if output_dtype is None else output_dtype)
+    except TypeError as error:
+        raise ValueError(f"output_dtype must be a dtype, got {output_dtype!r}") from error
+    if not jnp.issubdtype(out_dtype, jnp.floating):
+        raise ValueError(f"output_dtype must be a floating dtype, got {out_dtype}")
+    T = x.shape[2 if head_first else 1]
+    if cu_seqlens is not None:
+        cu_seqlens = checked_cu_seqlens(cu_seqlens, T)  # values checked if concrete
+        check_packed_batch(x.shape[0], name, x.shape)
+    if impl == "triton":
+        check_triton_dtype(x, name)
+    return _checked_cumsum(x, cu_seqlens, chunk_size=chunk_size, reverse=bool(reverse), scale=scale,
+                           head_first=bool(head_first), out_dtype=out_dtype, impl=impl, config=config)
+
+
+# Everything after the checks is one jitted function of (x, cu_seqlens): eager calls compile once per
+# shape and flags, instead of dispatching each small op on its own.
+@functools.partial(jax.jit, static_argnames=("chunk_size", "reverse", "scale", "head_first", "out_dtype", "impl",
+                                             "config"))
+def _checked_cumsum(x, cu_seqlens, *, chunk_size, reverse, scale, head_first, out_dtype, impl, config):
+    if cu_seqlens is not None:
+        # Traced values were not checked: both implementations see the nearest valid packing, so
+        # that no kernel can be sent outside x (and the two agree even on garbage).
+        cu_seqlens = sanitize_cu_seqlens(cu_seqlens, x.shape[2 if head_first else 1])
+    if impl == "xla":
+        return _xla_cumsum(x, cu_seqlens, chunk_size, reverse, scale, head_first, out_dtype)
+    return _cumsum_triton(x, cu_seqlens, chunk_size, reverse, scale, head_first, out_dtype, x.dtype, config)
