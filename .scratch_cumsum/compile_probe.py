@@ -74,8 +74,12 @@ def summarise(k):
 
 
 def configs(module):
-    for cfg in module._LOCAL_CONFIGS:
-        yield "local", module.chunk_local_cumsum_kernel, dict(CHUNK=64, BLOCK_T=64, **cfg.kwargs), cfg
+    if hasattr(module, "_local_configs"):  # the new module: tiles capped at the chunk (64)
+        for cfg in module._local_configs(64):
+            yield "local", module.chunk_local_cumsum_kernel, dict(CHUNK=64, **cfg.kwargs), cfg
+    else:
+        for cfg in module._LOCAL_CONFIGS:
+            yield "local", module.chunk_local_cumsum_kernel, dict(CHUNK=64, BLOCK_T=64, **cfg.kwargs), cfg
     for cfg in module._GLOBAL_CONFIGS:
         yield "global", module.chunk_global_cumsum_kernel, dict(cfg.kwargs), cfg
 
@@ -103,7 +107,9 @@ def main():
                                                         scale_one))
                 (out / (tag.replace(" ", "_") + ".ptx")).write_text(ptx)
                 (out / (tag.replace(" ", "_") + ".sass")).write_text(sass)
-                print(f"{tag:42s} " + " ".join(f"{k}={v}" for k, v in s.items()), flush=True)
+                per_elem = s["sass"] * cfg.num_warps / (meta["BLOCK_T"] * meta["BLOCK_C"])
+                print(f"{tag:42s} warp-instr/elem={per_elem:.2f} " + " ".join(f"{k}={v}" for k, v in s.items()),
+                      flush=True)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from conftest import TOLERANCE, WRAPPING_CU_SEQLENS, rel_err
 from ejk_lite import chunk_global_cumsum, chunk_local_cumsum
-from ejk_lite.cumsum import CumsumConfig, reference_global_cumsum, reference_local_cumsum
+from ejk_lite.cumsum import (_GLOBAL_TILES, _LOCAL_TILES, CumsumConfig, reference_global_cumsum,
+                             reference_local_cumsum)
 
 IMPLS = ["xla", "triton"]
 OPS = ["local", "global"]
@@ -285,10 +286,12 @@ def test_bad_arguments_raise_value_errors(impl):
 
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("config", [CumsumConfig(), CumsumConfig(block_t=4, block_c=2, num_warps=1, num_stages=1),
-                                    CumsumConfig(block_t=128, block_c=64, num_warps=8)])
+                                    CumsumConfig(block_t=128, block_c=64, num_warps=8),
+                                    CumsumConfig(block_t=2, block_c=256, num_warps=1, num_stages=3)])
 def test_pinned_config(rng, op, config):
-    """A pinned config (tiles smaller and larger than the data, a block_t above the chunk size)
-    gives the same sums and gradients; the backward uses the same config."""
+    """A pinned config (tiles smaller and larger than the data, a block_t above the chunk size, a
+    pipelined walk of short, wide blocks) gives the same sums and gradients; the backward uses
+    the same config."""
     cu = cu_from_lengths([5, 0, 11, 1])
     x = make_input(rng, (1, 19, 3, 5))
     fn = chunk_local_cumsum if op == "local" else chunk_global_cumsum
@@ -367,3 +370,33 @@ def test_default_config_is_the_autotuners_first():
     assert (config.block_t, config.block_c, config.num_warps, config.num_stages) == \
         (first.kwargs["BLOCK_T"], first.kwargs["BLOCK_C"], first.num_warps, first.num_stages)
     assert cumsum._LOCAL_CONFIGS[0].kwargs["BLOCK_C"] == config.block_c
+
+
+@pytest.mark.parametrize("chunk_size", [1, 8, 64, 256])
+def test_local_autotune_list_fits_the_chunk(chunk_size):
+    """The local kernel's autotune list for a chunk size: no block taller than a chunk, a chunk of
+    one block not pipelined, no tile twice, and the first entry CumsumConfig()'s."""
+    import ejk_lite.cumsum as cumsum
+
+    tiles = [(c.kwargs["BLOCK_T"], c.kwargs["BLOCK_C"], c.num_warps, c.kwargs["NUM_STAGES"])
+             for c in cumsum._local_configs(chunk_size)]
+    assert len(set(tiles)) == len(tiles) and tiles[0][:3] == (min(64, chunk_size), 32, 4)
+    assert all(block_t <= chunk_size and (stages == 1 or block_t < chunk_size) for block_t, _, _, stages in tiles)
+    for block_t, block_c, num_warps, stages in _LOCAL_TILES:  # each listed tile is there, capped
+        block_t = min(block_t, chunk_size)
+        assert (block_t, block_c, num_warps, 1 if block_t == chunk_size else stages) in tiles
+
+
+@pytest.mark.parametrize("op, tile", [("local", t) for t in _LOCAL_TILES] + [("global", t) for t in _GLOBAL_TILES])
+def test_every_autotune_tile(rng, op, tile):
+    """Each tile the autotuner may pick, pinned, gives the right sums (the interpreter runs only
+    the first one when autotuning): packed sequences, columns not a multiple of the tile."""
+    block_t, block_c, num_warps, num_stages = tile
+    config = CumsumConfig(block_t=block_t, block_c=block_c, num_warps=num_warps, num_stages=num_stages)
+    cu = cu_from_lengths([5, 0, 70, 1])
+    x = make_input(rng, (1, 80, 3, 7))
+    fn = chunk_local_cumsum if op == "local" else chunk_global_cumsum
+    kwargs = dict(chunk_size=64) if op == "local" else {}
+    for reverse in (False, True):
+        out = fn(x, **kwargs, reverse=reverse, cu_seqlens=jnp.asarray(cu), impl="triton", config=config)
+        assert rel_err(out, expected(op, x, 64, reverse=reverse, cu_seqlens=cu)) < TOLERANCE["float32"]
