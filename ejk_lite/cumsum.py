@@ -170,13 +170,14 @@ def _scan_span(
 #
 # Two kinds of tile. Tall ones (a whole chunk of 64 tokens, few columns) spread the tokens over
 # the lanes of a warp and over warps, so tl.cumsum passes partial sums through shuffles and shared
-# memory: the sm_90 SASS of a 64 x 32 bfloat16 tile has 74 SHFL, 90 LDS/STS and 5 barriers per
-# thread for its 16 elements, 1.14 warp instructions per element, about what streaming bfloat16 at
-# the copy bandwidth allows (an SM issues 4 a clock and must pass some 3.3 elements a clock at
-# 1.75 GHz). Wide, short ones put a warp's lanes side by side along the columns, each with 8
-# tokens x one 16-byte vector (BLOCK_C = 32 lanes x 8 columns x warps in bfloat16): the scan
-# stays in registers, 0 SHFL and 0.36 warp instructions per element, and the chunk is walked in
-# steps of 8 tokens, pipelined. Narrow tiles suit few columns (scalar gates).
+# memory: in the sm_90 SASS of a 64 x 32 bfloat16 tile each thread runs 504 instructions for its
+# 16 elements, 74 of them SHFL, 90 LDS/STS and 5 barriers: about 1 warp instruction per element,
+# near all an SM can issue while streaming bfloat16 at the copy bandwidth (4 a clock, for some
+# 3.3 elements a clock at 1.75 GHz); float32 needs half the elements a second. Wide, short tiles
+# put a warp's lanes side by side along the columns, each lane 8 tokens x one 16-byte vector
+# (BLOCK_C = 32 lanes x 8 columns x warps in bfloat16): the scan stays in registers, no SHFL, and
+# an 8 x 1024 step costs 463 instructions a thread, 0.23 warp instructions per element; the chunk
+# is walked in steps of 8 tokens, pipelined. Narrow tiles suit few columns (scalar gates).
 _LOCAL_TILES = [  # (BLOCK_T, BLOCK_C, num_warps, NUM_STAGES)
     (64, 32, 4, 1),
     (64, 16, 2, 1),
