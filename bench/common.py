@@ -11,6 +11,12 @@ events would add, the host's dispatch and wait, is not the kernels' and stays ou
 ``dispatch_overhead_ms`` (an empty jitted function) says how much it is. ``time_stats_ms`` gives
 the spread: min / median / max over a fixed number of samples. The ceilings (copy, matmul) are
 device times as well.
+
+Also here, so that every script says them the same way: what "right" means
+(:func:`relative_error` and :func:`tolerance`, from :mod:`ejk_lite.testing`, the tests' own),
+the forward and forward + backward of a JAX function (:func:`forward_and_backward`), one result
+row (:func:`row`), the results file (:func:`write_result`) and a run's log, failures and exit
+status (:class:`Run`). The peers that run in PyTorch, and the bridge to them, are in ``peers.py``.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import numpy as np
 import ejk_lite  # before triton: without a GPU it selects the interpreter
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+from ejk_lite.testing import TOLERANCE, relative_error, tolerance  # noqa: E402, F401
 
 
 def parse_args(description: str, extra: Callable[[argparse.ArgumentParser], None] | None = None
@@ -342,33 +349,39 @@ def ceilings() -> tuple[float, float]:
     return max(methods.values()), wall_ms(lambda: nothing(jnp.ones((8,))))
 
 
-def _to_float64(x: Any) -> np.ndarray:
-    if isinstance(x, np.ndarray):
-        return x.astype(np.float64)
-    return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+def past_tolerance(errors: dict[str, float], dtype: Any, what: str) -> list[str]:
+    """One failure line for each error past :func:`tolerance` of ``dtype``: ``errors["out"]`` is
+    an output's, every other entry a gradient's (``dq``, ``dquery``, ...)."""
+    limits = {name: tolerance(dtype, gradient=name != "out") for name in errors}
+    return [f"{what} {name}: rel err {e:.3g} > {limits[name]:.3g}" for name, e in errors.items()
+            if not e <= limits[name]]
 
 
-def relative_error(out: Any, ref: Any) -> float:
-    """``‖out − ref‖ / ‖ref‖`` in float64; NaN anywhere in ``out`` gives ``inf``.
+def forward_and_backward(fn: Callable[..., Any]) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """``fn(x, *rest)`` jitted, and ``(x, d_o, *rest) -> (output, gradient of x)`` jitted: the
+    pullback of the cotangent ``d_o`` (``x`` a pytree of the differentiated arrays, ``rest`` the
+    arguments that are not differentiated: masks, segment ids)."""
+    def fwd_bwd(x, d_o, *rest):
+        out, pullback = jax.vjp(lambda x_: fn(x_, *rest), x)
+        return out, pullback(d_o)[0]
 
-    A NumPy ``ref`` (a float64 reference computed on the host) is used as it is; device arrays of
-    any dtype go through float32.
-    """
-    out, ref = _to_float64(out), _to_float64(ref)
-    if not np.all(np.isfinite(out)):
-        return float("inf")
-    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+    return jax.jit(fn), jax.jit(fwd_bwd)
 
 
-def row(name: str, impl: str, direction: str, shape: Any, dtype: str, median: float,
+def row(name: str, impl: str, direction: str, shape: Any, dtype: str, median: float | None = None,
         bytes_moved: float | None = None, flops: float | None = None, copy_gbs: float | None = None,
-        rel_err: float | None = None, **extra: Any) -> dict[str, Any]:
+        rel_err: float | None = None, stats: dict[str, float] | None = None, **extra: Any
+        ) -> dict[str, Any]:
     """One measurement in the common schema the *Performance* chapter plots.
 
     ``direction`` is "fwd", "bwd" or "fwd+bwd"; ``impl`` names the implementation ("triton", "xla",
     "scan", "fla", ...). ``bytes_moved`` is the fewest bytes the op must move (each input read once,
-    each output written once): GB/s and % of the measured copy bandwidth follow from it.
+    each output written once): GB/s and % of the measured copy bandwidth follow from it. ``stats``
+    (:func:`time_stats_ms`) gives the median and the spread; or ``median`` alone.
     """
+    if stats is not None:
+        median = stats["median_ms"]
+        extra = {**{k: v for k, v in stats.items() if k != "median_ms"}, **extra}
     result = {"name": name, "impl": impl, "direction": direction, "shape": str(shape), "dtype": dtype,
               "median_ms": median, "rel_err": rel_err}
     if bytes_moved is not None:
@@ -415,3 +428,31 @@ def _fmt(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
     return "" if v is None else str(v)
+
+
+class Run:
+    """A benchmark run: its log (the elapsed time on every line), its failures, the cases it did
+    not run and why, an optional time budget, and its end (exit status 1 after any failure)."""
+
+    def __init__(self, budget_s: float | None = None):
+        self.start = time.perf_counter()
+        self.budget_s = budget_s
+        self.failures: list[str] = []
+        self.not_run: dict[str, str] = {}
+
+    def log(self, message: str) -> None:
+        print(f"[{time.perf_counter() - self.start:7.1f}s] {message}", flush=True)
+
+    def out_of_time(self, what: str) -> bool:
+        """True (and ``what`` recorded as not run) once the time budget is spent."""
+        if self.budget_s is None or time.perf_counter() - self.start < self.budget_s:
+            return False
+        self.not_run[what] = f"skipped: the time budget ({self.budget_s:.0f} s) was spent"
+        self.log(f"  {what}: skipped, time budget spent")
+        return True
+
+    def finish(self) -> None:
+        """The failures, on stderr, and exit status 1 if there are any (after the file is written)."""
+        if self.failures:
+            print(f"FAILED ({len(self.failures)}):", *self.failures, sep="\n  ", file=sys.stderr)
+            sys.exit(1)
