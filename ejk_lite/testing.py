@@ -41,14 +41,14 @@ def relative_error(out: Any, ref: Any) -> float:
     """``‖out − ref‖ / ‖ref‖``; ``inf`` where ``out`` holds a NaN or an inf (an element a kernel
     never wrote shows as NaN in the interpreter). Shapes must be equal (``ValueError``).
 
-    With a NumPy array on either side (a reference computed on the host), both go to the host and
-    the error is computed in float64 (a JAX array of any dtype goes through float32 on its way).
-    With JAX arrays on both sides it is computed on their device, in float32, and only three
-    numbers come back: a benchmark's outputs are too large to copy to the host at every check.
+    With a NumPy array or a float64 one on either side (a precise reference), both go to the host
+    and the error is computed in float64 (a JAX array of a narrower dtype goes through float32).
+    With other JAX arrays on both sides it is computed on their device, in float32, and only
+    three numbers come back: a benchmark's outputs are too large to copy to the host every check.
     """
     if tuple(np.shape(out)) != tuple(np.shape(ref)):
         raise ValueError(f"shapes differ: {tuple(np.shape(out))} vs {tuple(np.shape(ref))}")
-    if isinstance(out, jax.Array) and isinstance(ref, jax.Array):
+    if all(isinstance(x, jax.Array) and x.dtype != jnp.float64 for x in (out, ref)):
         diff, norm, finite = (float(x) for x in jax.device_get(_error_parts(out, ref)))
     else:
         out, ref = _host_float64(out), _host_float64(ref)
@@ -66,6 +66,6 @@ def _error_parts(out: jax.Array, ref: jax.Array) -> tuple[jax.Array, jax.Array, 
 
 
 def _host_float64(x: Any) -> np.ndarray:
-    if isinstance(x, jax.Array):
-        x = jnp.asarray(x, jnp.float32)
+    if isinstance(x, jax.Array) and x.dtype != jnp.float64:
+        x = x.astype(jnp.float32)
     return np.asarray(x, np.float64)
