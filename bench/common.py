@@ -357,6 +357,19 @@ def past_tolerance(errors: dict[str, float], dtype: Any, what: str) -> list[str]
             if not e <= limits[name]]
 
 
+def compare(out: Any, grads: dict[str, Any], ref_out: Any, ref_grads: dict[str, Any]
+            ) -> dict[str, float]:
+    """Relative errors of an output and its gradients: ``out``, and ``d<name>`` for each entry of
+    ``ref_grads``."""
+    return {"out": relative_error(out, ref_out),
+            **{f"d{name}": relative_error(grads[name], ref_grads[name]) for name in ref_grads}}
+
+
+def worst(errors: dict[str, float], direction: str) -> float:
+    """What a row's ``rel_err`` holds: the output's error (fwd), else the worst gradient's."""
+    return errors["out"] if direction == "fwd" else max(e for n, e in errors.items() if n != "out")
+
+
 def forward_and_backward(fn: Callable[..., Any]) -> tuple[Callable[..., Any], Callable[..., Any]]:
     """``fn(x, *rest)`` jitted, and ``(x, d_o, *rest) -> (output, gradient of x)`` jitted: the
     pullback of the cotangent ``d_o`` (``x`` a pytree of the differentiated arrays, ``rest`` the

@@ -114,6 +114,11 @@ def gla_inputs(seed: int, batch: int, seq_len: int, heads: int, dim: int, gate: 
     return inputs, jax.random.normal(kd, shape, jnp.bfloat16)
 
 
+def prefix(inputs: dict[str, jax.Array], length: int) -> dict[str, jax.Array]:
+    """The first ``length`` tokens of each of ``gla_inputs``' arrays."""
+    return {name: x[:, :length] for name, x in inputs.items()}
+
+
 def fla_race(fla: dict, form: str, gate: str | None, inputs: dict[str, jax.Array], d_o: jax.Array,
              scale: float, samples: int, broadcast: bool = False):
     """fla's kernel racing ours of ``form`` ("chunked" or "recurrent") on our inputs (``query``,

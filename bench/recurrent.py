@@ -35,15 +35,16 @@ import peers  # noqa: E402
 from common import (  # noqa: E402
     Run,
     ceilings,
+    compare,
     forward_and_backward,
     parse_args,
     past_tolerance,
     print_table,
-    relative_error,
     row,
     time_stats_ms,
     tolerance,
     wall_ms,
+    worst,
     write_result,
 )
 from ejk_lite.linear_attention import recurrent as _recurrent  # noqa: E402
@@ -68,21 +69,6 @@ def functions(op):
     """``op``'s output (final state unused) jitted, and its output and the gradients of every
     input for the cotangent ``d_o`` (:func:`common.forward_and_backward`)."""
     return forward_and_backward(lambda inputs: op(**inputs)[0])
-
-
-def prefix(inputs, length):
-    return {name: x[:, :length] for name, x in inputs.items()}
-
-
-def errors(o, grads, ref_o, ref_grads) -> dict[str, float]:
-    """``out`` and one ``d<input>`` per gradient."""
-    return {"out": relative_error(o, ref_o),
-            **{f"d{name}": relative_error(grads[name], ref_grads[name]) for name in ref_grads}}
-
-
-def worst(err: dict[str, float], direction: str) -> float:
-    """The output's error (fwd), or the worst gradient's (fwd+bwd)."""
-    return err["out"] if direction == "fwd" else max(e for n, e in err.items() if n != "out")
 
 
 def main():
@@ -111,8 +97,8 @@ def main():
             flops = {"fwd": 4 * b * t * h * d * d, "fwd+bwd": 12 * b * t * h * d * d}
 
             # Accuracy against the fp32 reference on a prefix (both on the same bf16 inputs).
-            short, short_d_o = prefix(inputs, check_len), d_o[:, :check_len]
-            err_ref = errors(*ours_fwd_bwd(short, short_d_o), *scan_fwd_bwd(short, short_d_o))
+            short, short_d_o = peers.prefix(inputs, check_len), d_o[:, :check_len]
+            err_ref = compare(*ours_fwd_bwd(short, short_d_o), *scan_fwd_bwd(short, short_d_o))
             stats = {"fwd": time_stats_ms(lambda: ours_fwd(inputs), SAMPLES),
                      "fwd+bwd": time_stats_ms(lambda: ours_fwd_bwd(inputs, d_o), SAMPLES)}
 
@@ -120,7 +106,7 @@ def main():
             scan = {}
             for direction in ("fwd", "fwd+bwd"):
                 length = min(t, scan_max[direction])
-                sub, sub_d_o = prefix(inputs, length), d_o[:, :length]
+                sub, sub_d_o = peers.prefix(inputs, length), d_o[:, :length]
                 ms = wall_ms((lambda: scan_fwd(sub)) if direction == "fwd"
                              else (lambda: scan_fwd_bwd(sub, sub_d_o)))
                 scan[direction] = (ms * t / length, length)
@@ -129,7 +115,7 @@ def main():
             if fla is not None:
                 fla_o, fla_grads, fla_stats = peers.fla_race(fla, "recurrent", gate, inputs, d_o,
                                                              d ** -0.5, SAMPLES)
-                err_fla = errors(*ours_fwd_bwd(inputs, d_o), fla_o, fla_grads)
+                err_fla = compare(*ours_fwd_bwd(inputs, d_o), fla_o, fla_grads)
                 del fla_o, fla_grads
             for against, err in (("reference", err_ref), ("fla", err_fla)):
                 if err is not None:
