@@ -40,7 +40,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import ejk_lite  # noqa: E402

@@ -1,4 +1,4 @@
-"""What every benchmark script shares: the machine's description, its measured ceilings, timing, JSON.
+"""The harness every benchmark script shares: the machine, its measured ceilings, timing, JSON.
 
 Each ``bench/<op>.py`` checks its kernels against a float64 reference, times them and the peers the
 issue names, and writes ``<out_dir>/<op>.json``. Run one on the GPU machine as::
@@ -40,12 +40,18 @@ import triton.language as tl  # noqa: E402
 from ejk_lite.testing import TOLERANCE, relative_error, tolerance  # noqa: E402, F401
 
 
+# ----------------------------------------------------------------------------------------------
+# The machine and the command line.
+# ----------------------------------------------------------------------------------------------
+
+
 def parse_args(description: str, extra: Callable[[argparse.ArgumentParser], None] | None = None
                ) -> argparse.Namespace:
     """``--out`` and ``--quick``, and whatever ``extra(parser)`` adds."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--out", default="bench/results", help="folder for the JSON result")
-    parser.add_argument("--quick", action="store_true", help="small shapes, to try the script on CPU")
+    parser.add_argument("--quick", action="store_true",
+                        help="small shapes, to try the script on CPU")
     if extra is not None:
         extra(parser)
     return parser.parse_args()
@@ -54,7 +60,8 @@ def parse_args(description: str, extra: Callable[[argparse.ArgumentParser], None
 def versions() -> dict[str, str]:
     import triton
 
-    found = {"python": platform.python_version(), "jax": jax.__version__, "triton": triton.__version__}
+    found = {"python": platform.python_version(), "jax": jax.__version__,
+             "triton": triton.__version__}
     try:
         import jaxlib
 
@@ -73,7 +80,8 @@ def versions() -> dict[str, str]:
 
 def commit() -> str | None:
     """The commit the measured tree was taken from: ``$EJK_COMMIT``, else
-    ``bench/results/.commit`` (``python bench/gpu_check.py prepare``), else ``git rev-parse HEAD``."""
+    ``bench/results/.commit`` (``python bench/gpu_check.py prepare``), else
+    ``git rev-parse HEAD``."""
     import os
     import subprocess
 
@@ -95,7 +103,13 @@ def device_name() -> str:
     return getattr(device, "device_kind", device.platform)
 
 
-def median_ms(fn: Callable[[], Any], warmup_ms: int = 50, rep_ms: int = 300, calls: int = 8) -> float:
+# ----------------------------------------------------------------------------------------------
+# Timing: device time from the profiler, after an L2 flush.
+# ----------------------------------------------------------------------------------------------
+
+
+def median_ms(fn: Callable[[], Any], warmup_ms: int = 50, rep_ms: int = 300, calls: int = 8
+              ) -> float:
     """Median time of one ``fn()`` in milliseconds, measured by ``triton.testing.do_bench``.
 
     Each timed run queues ``calls`` calls (JAX dispatches asynchronously) and then waits for the
@@ -110,14 +124,16 @@ def median_ms(fn: Callable[[], Any], warmup_ms: int = 50, rep_ms: int = 300, cal
         jax.block_until_ready(out)
 
     run()  # compile outside the measurement
-    return float(triton.testing.do_bench(run, warmup=warmup_ms, rep=rep_ms, return_mode="median")) / calls
+    median = triton.testing.do_bench(run, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+    return float(median) / calls
 
 
 _L2_FLUSH = None
 
 
 def spread(times_ms: list[float], calls: int = 1) -> dict[str, float]:
-    """min / median / max of per-call times (each sample ran ``calls`` calls) and the sample count."""
+    """min / median / max of per-call times (each sample ran ``calls`` calls), and the sample
+    count."""
     per_call = [t / calls for t in times_ms]
     return {"min_ms": float(min(per_call)), "median_ms": float(np.median(per_call)),
             "max_ms": float(max(per_call)), "samples": len(per_call), "calls_per_sample": calls}
@@ -246,6 +262,11 @@ def dispatch_overhead_ms() -> float:
     return median_ms(lambda: f(x))
 
 
+# ----------------------------------------------------------------------------------------------
+# Ceilings: the copy bandwidth and the bf16 matmul rate, measured.
+# ----------------------------------------------------------------------------------------------
+
+
 @triton.jit
 def _copy_kernel(x_ptr, y_ptr, N: tl.constexpr, BLOCK: tl.constexpr):
     """y = x, BLOCK elements a program: the plainest streaming kernel, one of the copy ceilings.
@@ -259,8 +280,8 @@ def _copy_kernel(x_ptr, y_ptr, N: tl.constexpr, BLOCK: tl.constexpr):
 CEILINGS: dict[str, Any] = {}
 
 
-def copy_methods_gbs(n_bytes: int = 1 << 30, timer: Callable[[Callable[[], Any]], float] | None = None
-                     ) -> dict[str, float]:
+def copy_methods_gbs(n_bytes: int = 1 << 30,
+                     timer: Callable[[Callable[[], Any]], float] | None = None) -> dict[str, float]:
     """Read + write bandwidth of ``n_bytes`` of bf16 moved by several methods, GB/s each: an XLA
     elementwise op (``a * 1.5``), XLA's copy of an array (``jnp.copy`` under ``jit``, a
     device-to-device copy) and a Triton copy kernel at two block sizes. Each method's result is
@@ -328,7 +349,8 @@ def matmul_tflops(n: int = 8192, timer: Callable[[Callable[[], Any]], float] | N
 
 
 def wall_ms(fn: Callable[[], Any], reps: int = 3) -> float:
-    """Median wall time of ``reps`` calls after a warm-up: for slow peers (the lax.scan) and CPUs."""
+    """Median wall time of ``reps`` calls after a warm-up: for slow peers (the lax.scan), and
+    CPUs."""
     jax.block_until_ready(fn())
     times = []
     for _ in range(reps):
@@ -347,6 +369,11 @@ def ceilings() -> tuple[float, float]:
     CEILINGS.update(copy_gbs_by_method=methods, copy_bytes=1 << 20)
     nothing = jax.jit(lambda a: a + 1)
     return max(methods.values()), wall_ms(lambda: nothing(jnp.ones((8,))))
+
+
+# ----------------------------------------------------------------------------------------------
+# Correctness: the tests' metric and tolerances (ejk_lite.testing), and what a race checks.
+# ----------------------------------------------------------------------------------------------
 
 
 def past_tolerance(errors: dict[str, float], dtype: Any, what: str) -> list[str]:
@@ -381,6 +408,11 @@ def forward_and_backward(fn: Callable[..., Any]) -> tuple[Callable[..., Any], Ca
     return jax.jit(fn), jax.jit(fwd_bwd)
 
 
+# ----------------------------------------------------------------------------------------------
+# Rows, results files, tables.
+# ----------------------------------------------------------------------------------------------
+
+
 def row(name: str, impl: str, direction: str, shape: Any, dtype: str, median: float | None = None,
         bytes_moved: float | None = None, flops: float | None = None, copy_gbs: float | None = None,
         rel_err: float | None = None, stats: dict[str, float] | None = None, **extra: Any
@@ -395,8 +427,8 @@ def row(name: str, impl: str, direction: str, shape: Any, dtype: str, median: fl
     if stats is not None:
         median = stats["median_ms"]
         extra = {**{k: v for k, v in stats.items() if k != "median_ms"}, **extra}
-    result = {"name": name, "impl": impl, "direction": direction, "shape": str(shape), "dtype": dtype,
-              "median_ms": median, "rel_err": rel_err}
+    result = {"name": name, "impl": impl, "direction": direction, "shape": str(shape),
+              "dtype": dtype, "median_ms": median, "rel_err": rel_err}
     if bytes_moved is not None:
         result["bytes"] = bytes_moved
         result["gbs"] = bytes_moved / (median * 1e-3) / 1e9
@@ -443,6 +475,11 @@ def _fmt(v: Any) -> str:
     return "" if v is None else str(v)
 
 
+# ----------------------------------------------------------------------------------------------
+# A run: its log, failures, time budget and exit status.
+# ----------------------------------------------------------------------------------------------
+
+
 class Run:
     """A benchmark run: its log (the elapsed time on every line), its failures, the cases it did
     not run and why, an optional time budget, and its end (exit status 1 after any failure)."""
@@ -465,7 +502,8 @@ class Run:
         return True
 
     def finish(self) -> None:
-        """The failures, on stderr, and exit status 1 if there are any (after the file is written)."""
+        """The failures, on stderr, and exit status 1 if there are any (call it after the file is
+        written)."""
         if self.failures:
             print(f"FAILED ({len(self.failures)}):", *self.failures, sep="\n  ", file=sys.stderr)
             sys.exit(1)
