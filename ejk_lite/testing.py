@@ -33,6 +33,8 @@ def tolerance(dtype: Any, gradient: bool = False) -> float:
     """The relative error allowed for a result of ``dtype``: :data:`TOLERANCE`, times
     :data:`GRADIENT_SLACK` for a gradient in a 16-bit dtype."""
     name = jnp.dtype(dtype).name
+    if name not in TOLERANCE:
+        raise ValueError(f"dtype: no tolerance for {name} (only {', '.join(TOLERANCE)})")
     slack = GRADIENT_SLACK if gradient and name != "float32" else 1.0
     return TOLERANCE[name] * slack
 
