@@ -19,7 +19,8 @@ before its ``exp2``), ``h_t = exp(g_t) h_{t-1} + k_t^T v_t``, ``o_t = scale q_t 
 Checks, for every timed configuration of ours (the script writes the JSON, then exits 1 if one
 fails): output and every input's gradient against fla's on the full inputs, and against the float32
 ``ejk_lite.linear_attention.reference`` (a ``lax.scan``) on the first ``CHECK_SEQ_LEN`` tokens;
-relative L2 error within ``TOL``. The commit comes from ``$EJK_COMMIT`` or
+relative L2 error within ``TOL`` (bf16's, from ``ejk_lite.testing``). fla runs through
+``peers.fla_race``. The commit comes from ``$EJK_COMMIT`` or
 ``bench/results/.commit`` (``python bench/gpu_check.py prepare``), else ``git rev-parse HEAD``.
 
     python bench/chunked.py --out bench/results                  # GPU, every shape
@@ -35,180 +36,63 @@ from __future__ import annotations
 import functools
 import json
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 import ejk_lite  # noqa: E402
 
 if ejk_lite.ON_GPU:
-    # Import jax-triton now, through ejk_lite, which keeps TRITON_CACHE_DIR usable for fla's kernels.
+    # Import jax-triton now, through ejk_lite, which keeps TRITON_CACHE_DIR usable for fla's
+    # kernels.
     ejk_lite.launch._import_jax_triton()
+import peers  # noqa: E402
 from common import (  # noqa: E402
+    Run,
     ceilings,
     commit,
+    compare,
     device_name,
-    device_samples_ms,
+    forward_and_backward,
     parse_args,
+    past_tolerance,
     print_table,
-    relative_error,
     row,
-    spread,
     time_stats_ms,
+    tolerance,
+    worst,
     write_result,
 )
 from ejk_lite.chunked import chunked_recurrent  # noqa: E402
-from ejk_lite.notebook import chunked_cost  # noqa: E402
 from ejk_lite.linear_attention import recurrent, reference  # noqa: E402
+from ejk_lite.notebook import chunked_cost  # noqa: E402
 
 OP = "chunked"
-ROOT = Path(__file__).resolve().parent.parent
 SHAPES = [dict(batch=4, seq_len=4096, heads=16, dim=128),
           dict(batch=8, seq_len=2048, heads=16, dim=128),
           dict(batch=1, seq_len=32768, heads=8, dim=64),
           dict(batch=4, seq_len=4096, heads=16, kv_heads=4, dim=128)]  # grouped: ours only
 QUICK_SHAPES = [dict(batch=1, seq_len=40, heads=2, dim=16),  # 40: a short last chunk (C = 16)
                 dict(batch=1, seq_len=40, heads=2, kv_heads=1, dim=16)]
+GATES = ("g", "gk")
 CHECK_SEQ_LEN = 256  # prefix checked against the float32 reference (quick: the whole sequence)
 SAMPLES = 10
 QUICK_SAMPLES = 3
-TOL = {"out": 2e-2, "grad": 4e-2}  # relative L2 of bf16 results, as bench/attention.py
+TOL = {"out": tolerance(jnp.bfloat16), "grad": tolerance(jnp.bfloat16, gradient=True)}
 # Our kernels, also in --quick runs on a CPU (where impl="auto" would pick the reference).
 OURS = {"chunked": functools.partial(chunked_recurrent, impl="triton"),
         "recurrent": functools.partial(recurrent, impl="triton")}
 QUICK_CHUNK_SIZE = 16  # several chunks in a short sequence
-# fla's kernel racing each of ours, per gate.
-PEER = {("chunked", "g"): "fla.ops.simple_gla.chunk_simple_gla",
-        ("chunked", "gk"): "fla.ops.gla.chunk_gla",
-        ("recurrent", "g"): "fla.ops.simple_gla.fused_recurrent_simple_gla",
-        ("recurrent", "gk"): "fla.ops.gla.fused_recurrent_gla"}
-PEER_BROADCAST = "fla.ops.gla.chunk_gla, the scalar gate broadcast along K"
 # The ``impl`` of fla's rows, by the op of ours they race.
 FLA_IMPL = {"chunked": "fla", "recurrent": "fla_recurrent"}
 
-START = time.perf_counter()
 
-
-def log(message: str) -> None:
-    print(f"[{time.perf_counter() - START:7.1f}s] {message}", flush=True)
-
-
-def make_inputs(seed, batch, seq_len, heads, dim, gate, kv_heads=None):
-    """bf16 q, k, v and one gate (per query head), fresh normals; the cotangent of the output."""
-    kq, kk, kv, kg, kd = jax.random.split(jax.random.key(seed), 5)
-    shape = (batch, seq_len, heads, dim)
-    kv_shape = (batch, seq_len, kv_heads or heads, dim)
-    inputs = dict(query=jax.random.normal(kq, shape, jnp.bfloat16),
-                  key=jax.random.normal(kk, kv_shape, jnp.bfloat16),
-                  value=jax.random.normal(kv, kv_shape, jnp.bfloat16))
-    # Log-decays in (-inf, 0), most of them mild, as a trained GLA layer has (as bench/recurrent.py).
-    gate_shape = shape[:3] if gate == "g" else shape
-    logits = jax.random.normal(kg, gate_shape, jnp.float32) + 4.0
-    inputs[gate] = jax.nn.log_sigmoid(logits).astype(jnp.bfloat16)
-    d_o = jax.random.normal(kd, shape, jnp.bfloat16)
-    return inputs, d_o
-
-
-def prefix(inputs, length):
-    return {name: x[:, :length] for name, x in inputs.items()}
-
-
-def forward_fn(op, scale):
-    return jax.jit(lambda inputs: op(**inputs, softmax_scale=scale)[0])
-
-
-def forward_backward_fn(op, scale):
-    """``(o, gradients of every input)`` for the cotangent ``d_o`` of ``o`` (final state unused)."""
-    def run(inputs, d_o):
-        o, pullback = jax.vjp(lambda x: op(**x, softmax_scale=scale)[0], inputs)
-        return o, pullback(d_o)[0]
-    return jax.jit(run)
-
-
-def errors(o, grads, ref_o, ref_grads) -> dict[str, float]:
-    """Relative errors: ``out`` and one ``d<input>`` per gradient."""
-    found = {"out": relative_error(o, ref_o)}
-    found.update({f"d{name}": relative_error(grads[name], ref_grads[name]) for name in ref_grads})
-    return found
-
-
-def past_tolerance(err: dict[str, float]) -> list[str]:
-    return [f"{name} {e:.3g} > {TOL['out' if name == 'out' else 'grad']}" for name, e in err.items()
-            if not e <= TOL["out" if name == "out" else "grad"]]
-
-
-# ----------------------------------------------------------------------------------------------
-# flash-linear-attention (PyTorch), on a GPU where it is installed.
-# ----------------------------------------------------------------------------------------------
-
-
-def load_fla():
-    if not ejk_lite.ON_GPU:
-        return None, "no GPU (fla's kernels run in PyTorch on CUDA)"
-    try:
-        import fla
-        import torch
-        from fla.ops.gla import chunk_gla, fused_recurrent_gla
-        from fla.ops.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla
-    except Exception as error:  # noqa: BLE001 (not installed, or no CUDA torch)
-        return None, f"{type(error).__name__}: {error}"
-    if not torch.cuda.is_available():
-        return None, "torch sees no CUDA device"
-    kernels = {("chunked", "g"): chunk_simple_gla, ("chunked", "gk"): chunk_gla,
-               ("recurrent", "g"): fused_recurrent_simple_gla, ("recurrent", "gk"): fused_recurrent_gla}
-    return dict(torch=torch, kernels=kernels,
-                versions={"torch": torch.__version__, "fla": getattr(fla, "__version__", "?")}), None
-
-
-def to_torch(torch, x):
-    return torch.from_dlpack(jax.block_until_ready(x)).clone()
-
-
-def run_fla(fla, form, gate, inputs, d_o, scale, samples, broadcast=False):
-    """fla's output and gradients (float32 NumPy) on our inputs, and its fwd / fwd+bwd times;
-    ``form``: "chunked" or "recurrent", the kernel racing ours of that name. ``broadcast``: a
-    scalar gate run through ``chunk_gla`` as a per-key gate equal along K (the same function; the
-    gradient of g is the sum of gk's along K)."""
-    torch = fla["torch"]
-    kernel = fla["kernels"][form, "gk" if broadcast else gate]
-    # chunk_simple_gla, chunk_gla and fused_recurrent_simple_gla take the gate as g=;
-    # fused_recurrent_gla as gk=.
-    keyword = "gk" if (form, gate) == ("recurrent", "gk") else "g"
-    tensors = {name: to_torch(torch, x) for name, x in inputs.items()}
-    d_o_t = to_torch(torch, d_o)
-    width = tensors["query"].shape[-1]
-
-    def call(t):
-        # chunk_simple_gla(q, k, v, g=[B, T, H]); chunk_gla(q, k, v, g=[B, T, H, K]): natural-log gates.
-        g = t[gate].unsqueeze(-1).expand(*t[gate].shape, width) if broadcast else t[gate]
-        return kernel(t["query"], t["key"], t["value"], **{keyword: g}, scale=scale,
-                      initial_state=None, output_final_state=False)[0]
-
-    def back(t):
-        return t.detach().float().cpu().numpy()
-
-    with torch.no_grad():
-        o = back(call(tensors))
-        fwd = spread(device_samples_ms(lambda: call(tensors), samples))
-    leaves = {name: t.detach().requires_grad_(True) for name, t in tensors.items()}
-
-    def forward_backward():
-        call(leaves).backward(d_o_t)
-
-    forward_backward()
-    grads = {name: back(t.grad) for name, t in leaves.items()}
-    fwd_bwd = spread(device_samples_ms(forward_backward, samples, grad_to_none=list(leaves.values())))
-    del leaves, tensors, d_o_t
-    torch.cuda.empty_cache()
-    return o, grads, {"fwd": fwd, "fwd+bwd": fwd_bwd}
-
-
-# ----------------------------------------------------------------------------------------------
+def functions(op, scale):
+    """``op``'s output jitted, and its output and the gradients of every input for a cotangent
+    of the output (final state unused)."""
+    return forward_and_backward(lambda inputs: op(**inputs, softmax_scale=scale)[0])
 
 
 def shape_name(shape: dict) -> str:
@@ -216,36 +100,37 @@ def shape_name(shape: dict) -> str:
     return f"B{shape['batch']} T{shape['seq_len']} H{heads} K=V={shape['dim']}"
 
 
-def fla_peer(fla, form, gate, inputs, d_o, scale, samples, refused, failures):
+def fla_peer(run, fla, form, gate, inputs, d_o, scale, samples, refused):
     """fla's kernel racing ours of ``form`` on these inputs, or None where fla refuses it (then
     the race is missing: a failure of the run)."""
-    name = PEER[form, gate]
+    name = peers.FLA[form, gate]
     try:
-        o, grads, ms = run_fla(fla, form, gate, inputs, d_o, scale, samples)
-        return dict(o=o, grads=grads, ms=ms, name=name)
+        return name, peers.fla_race(fla, form, gate, inputs, d_o, scale, samples)
     except RuntimeError as error:
         # fla 0.6 refuses chunk_simple_gla with Triton < 3.7.1 on Hopper (its issue 640: wrong
         # gated gradients). Recorded; its chunk_gla computes the same function with the gate
         # broadcast along K, and runs.
         refused[name] = f"{type(error).__name__}: {str(error)[:300]}"
-        log(f"{name} refused: {refused[name]}")
+        run.log(f"{name} refused: {refused[name]}")
         if (form, gate) != ("chunked", "g"):
-            failures.append(f"{name} refused and no stand-in: no race for our {form} ({gate})")
+            run.failures.append(f"{name} refused and no stand-in: no race for our {form} ({gate})")
             return None
-    o, grads, ms = run_fla(fla, form, gate, inputs, d_o, scale, samples, broadcast=True)
-    return dict(o=o, grads=grads, ms=ms, name=PEER_BROADCAST)
+    return peers.FLA_BROADCAST, peers.fla_race(fla, form, gate, inputs, d_o, scale, samples,
+                                               broadcast=True)
 
 
-def run_shape(index, shape, ops, fla, samples, quick, copy_gbs, rows, failures, refused):
-    """Both gates at one shape: ours against the float32 reference and fla's peers; rows appended."""
+def run_shape(run, index, shape, ops, fla, samples, quick, copy_gbs, rows, refused):
+    """Both gates at one shape: ours against the float32 reference and fla's peers (rows
+    appended)."""
     b, t, h, d = shape["batch"], shape["seq_len"], shape["heads"], shape["dim"]
     h_kv = shape.get("kv_heads") or h
     scale = d ** -0.5
     check_len = t if quick else min(t, CHECK_SEQ_LEN)
-    for gate in ("g", "gk"):
+    for gate in GATES:
         name = f"{shape_name(shape)} {gate}"
         # Inputs seeded by the shape's index and the gate: the same with or without --merge.
-        inputs, d_o = make_inputs(2 * index + (gate == "gk"), b, t, h, d, gate, shape.get("kv_heads"))
+        inputs, d_o = peers.gla_inputs(2 * index + (gate == "gk"), b, t, h, d, gate,
+                                       shape.get("kv_heads"))
         dims = [b, t, h, d]
         # Fewest bytes, bf16: q, k, v, the gate and o once (fwd); fwd+bwd: those and d_o read,
         # o and every input's gradient written: twice as many (ejk_lite.notebook.chunked_cost).
@@ -259,55 +144,46 @@ def run_shape(index, shape, ops, fla, samples, quick, copy_gbs, rows, failures, 
 
         # The float32 reference on a prefix (the same bf16 values, widened), once for both of
         # ours: its output and gradients come back in float32.
-        short, short_d_o = prefix(inputs, check_len), d_o[:, :check_len]
+        short, short_d_o = peers.prefix(inputs, check_len), d_o[:, :check_len]
         wide = {n: x.astype(jnp.float32) for n, x in short.items()}
-        ref_o, ref_grads = forward_backward_fn(reference, scale)(wide, short_d_o.astype(jnp.float32))
+        ref_o, ref_grads = functions(reference, scale)[1](wide, short_d_o.astype(jnp.float32))
 
         for impl, op in ops.items():
             peer = None
             if fla is not None and h_kv == h:  # fla has no grouped key/value heads
-                peer = fla_peer(fla, impl, gate, inputs, d_o, scale, samples, refused, failures)
-            fwd, fwd_bwd = forward_fn(op, scale), forward_backward_fn(op, scale)
-            ours_o, ours_grads = fwd_bwd(short, short_d_o)
-            err_ref = errors(ours_o, ours_grads, ref_o, ref_grads)
+                peer = fla_peer(run, fla, impl, gate, inputs, d_o, scale, samples, refused)
+            fwd, fwd_bwd = functions(op, scale)
+            err_ref = compare(*fwd_bwd(short, short_d_o), ref_o, ref_grads)
             err_fla = None
             if peer is not None:
-                full_o, full_grads = fwd_bwd(inputs, d_o)
-                err_fla = errors(full_o, full_grads, peer["o"], peer["grads"])
-                del full_o, full_grads
+                peer_name, (fla_o, fla_grads, fla_stats) = peer
+                err_fla = compare(*fwd_bwd(inputs, d_o), fla_o, fla_grads)
+                del fla_o, fla_grads
             for against, err in (("reference", err_ref), ("fla", err_fla)):
-                if err is not None and (bad := past_tolerance(err)):
-                    failures.append(f"{name} {impl} vs {against}: {', '.join(bad)}")
+                if err is not None:
+                    run.failures += past_tolerance(err, jnp.bfloat16, f"{name} {impl} vs {against}")
 
             stats = {"fwd": time_stats_ms(lambda: fwd(inputs), samples),
                      "fwd+bwd": time_stats_ms(lambda: fwd_bwd(inputs, d_o), samples)}
             for direction in ("fwd", "fwd+bwd"):
                 st = stats[direction]
-                extra = dict(min_ms=st["min_ms"], max_ms=st["max_ms"], samples=st["samples"],
-                             calls_per_sample=st["calls_per_sample"],
-                             rel_err_vs_reference=err_ref, checked_seq_len=check_len,
-                             kv_heads=h_kv)
+                extra = dict(rel_err_vs_reference=err_ref, checked_seq_len=check_len, kv_heads=h_kv)
                 if peer is not None:
-                    extra["peer"] = peer["name"]
+                    extra["peer"] = peer_name
                     extra["rel_err_vs_fla"] = err_fla
-                    extra["speedup_vs_fla"] = peer["ms"][direction]["median_ms"] / st["median_ms"]
-                worst = err_ref["out"] if direction == "fwd" else max(
-                    e for n, e in err_ref.items() if n != "out")
-                rows.append(row(name, impl, direction, dims, "bfloat16", st["median_ms"],
+                    extra["speedup_vs_fla"] = fla_stats[direction]["median_ms"] / st["median_ms"]
+                rows.append(row(name, impl, direction, dims, "bfloat16", stats=st,
                                 bytes_moved=bytes_moved[direction], copy_gbs=copy_gbs,
-                                rel_err=worst, gate=gate, **extra))
-            log(f"{name} {impl}: fwd {stats['fwd']['median_ms']:.4g} ms, fwd+bwd "
-                f"{stats['fwd+bwd']['median_ms']:.4g} ms; vs reference {fmt_err(err_ref)}"
-                + (f"; vs {peer['name']} {fmt_err(err_fla)}" if err_fla else ""))
+                                rel_err=worst(err_ref, direction), gate=gate, **extra))
+            run.log(f"{name} {impl}: fwd {stats['fwd']['median_ms']:.4g} ms, fwd+bwd "
+                    f"{stats['fwd+bwd']['median_ms']:.4g} ms; vs reference {fmt_err(err_ref)}"
+                    + (f"; vs {peer_name} {fmt_err(err_fla)}" if err_fla else ""))
             if peer is not None:
                 for direction in ("fwd", "fwd+bwd"):
-                    st = peer["ms"][direction]
                     rows.append(row(name, FLA_IMPL[impl], direction, dims, "bfloat16",
-                                    st["median_ms"],
-                                    bytes_moved=bytes_moved[direction], copy_gbs=copy_gbs,
-                                    gate=gate, min_ms=st["min_ms"], max_ms=st["max_ms"],
-                                    samples=st["samples"], calls_per_sample=st["calls_per_sample"],
-                                    peer=peer["name"], races=impl, kv_heads=h_kv))
+                                    stats=fla_stats[direction], bytes_moved=bytes_moved[direction],
+                                    copy_gbs=copy_gbs, gate=gate, peer=peer_name, races=impl,
+                                    kv_heads=h_kv))
             del peer
         del inputs, d_o
 
@@ -348,16 +224,16 @@ def main():
     ops = dict(OURS)
     if quick:
         ops["chunked"] = functools.partial(ops["chunked"], chunk_size=QUICK_CHUNK_SIZE)
-    fla, fla_missing = load_fla()
-    log(f"fla: {'loaded ' + str(fla['versions']) if fla else 'not run: ' + fla_missing}")
+    run = Run()
+    fla, fla_missing = peers.load_fla()
+    run.log(f"fla: {'loaded ' + str(fla['versions']) if fla else 'not run: ' + fla_missing}")
     copy_gbs, dispatch_ms = ceilings()
     rows, refused, earlier = [], {}, []
     if args.merge:
-        rows, refused, earlier, kept_failures = kept_rows(
+        rows, refused, earlier, run.failures = kept_rows(
             args.out, {shape_name(s) for _, s in shapes}, commit(), quick)
-    failures = list(kept_failures) if args.merge else []
     if fla is None and ejk_lite.ON_GPU:
-        failures.append(f"peer fla not run on the GPU: {fla_missing}")
+        run.failures.append(f"peer fla not run on the GPU: {fla_missing}")
 
     def write():
         payload = dict(
@@ -365,42 +241,41 @@ def main():
             copy_bandwidth_gbs=copy_gbs,
             dispatch_overhead_ms=dispatch_ms,
             peer_fla=(f"fla {fla['versions']['fla']} (torch {fla['versions']['torch']}): "
-                      + ", ".join(f"{n} ({impl}, {gate})" for (impl, gate), n in PEER.items()))
+                      + ", ".join(f"{n} ({impl}, {gate})"
+                                  for (impl, gate), n in peers.FLA.items()))
             if fla else f"not run: {fla_missing}",
             peer_versions=fla["versions"] if fla else None,
             peers_refused=refused,
-            target="at least fla's speed at every shape, forward and forward+backward: our chunked "
-                   "op against fla's chunk kernels, our recurrent one against its fused recurrent",
+            target="at least fla's speed at every shape, forward and forward+backward: our "
+                   "chunked op against fla's chunk kernels, our recurrent one against its fused "
+                   "recurrent",
             tolerance=TOL,
-            speedups_vs_fla={f"{r['name']} {r['impl']} {r['direction']}": round(r["speedup_vs_fla"], 3)
-                             for r in rows if "speedup_vs_fla" in r},
-            failures=failures, passed=not failures, rows=rows,
+            speedups_vs_fla={f"{r['name']} {r['impl']} {r['direction']}":
+                             round(r["speedup_vs_fla"], 3) for r in rows if "speedup_vs_fla" in r},
+            failures=run.failures, passed=not run.failures, rows=rows,
             notes=("bf16 q, k, v, log-gates and cotangent; fp32 state. fwd: the output; fwd+bwd: "
                    "jax.vjp of the output (final state unused) with a random cotangent, every "
                    "input's gradient (fla: loss.backward with the same cotangent). Times: min / "
                    f"median / max over {samples} samples: on a GPU the device time from the "
-                   "profiler, L2 flushed before each (common.device_samples_ms, ours and fla alike); on a CPU "
-                   "(--quick) the wall clock of the interpreter, which only shows that the script "
-                   "runs. rel_err: the worst of the output (fwd) or of the gradients (fwd+bwd) "
+                   "profiler, L2 flushed before each (common.device_samples_ms, ours and fla "
+                   "alike); on a CPU (--quick) the wall clock of the interpreter, which only "
+                   "shows that the script runs. rel_err: the worst of the output (fwd) or of "
+                   "the gradients (fwd+bwd) "
                    "against the float32 lax.scan reference on the first checked_seq_len tokens; "
                    "rel_err_vs_reference / rel_err_vs_fla hold each one (vs fla: full inputs, the "
                    "racing fla kernel's result as the reference). fla rows: 'races' names our op "
                    "it races (impl 'fla': the chunk kernels; 'fla_recurrent': the fused "
-                   "recurrent ones). H16/4: 16 query heads, 4 key/value heads (ours only). bytes: each "
-                   "input and output once."),
+                   "recurrent ones). H16/4: 16 query heads, 4 key/value heads (ours only). "
+                   "bytes: each input and output once."),
         )
         return write_result(args.out, OP, payload)
 
     for index, shape in shapes:
-        run_shape(index, shape, ops, fla, samples, quick, copy_gbs, rows, failures, refused)
-        log(f"wrote {write()}")  # after every shape: a run cut short keeps what it finished
-    print_table(rows, ["name", "impl", "direction", "median_ms", "min_ms", "max_ms", "gbs", "rel_err",
-                       "speedup_vs_fla"])
-    if failures:
-        print(f"FAILED ({len(failures)}):", file=sys.stderr)
-        for failure in failures:
-            print("  " + failure, file=sys.stderr)
-        sys.exit(1)
+        run_shape(run, index, shape, ops, fla, samples, quick, copy_gbs, rows, refused)
+        run.log(f"wrote {write()}")  # after every shape: a run cut short keeps what it finished
+    print_table(rows, ["name", "impl", "direction", "median_ms", "min_ms", "max_ms", "gbs",
+                       "rel_err", "speedup_vs_fla"])
+    run.finish()
 
 
 def fmt_err(err: dict[str, float]) -> str:

@@ -1,4 +1,4 @@
-"""What every benchmark script shares: the machine's description, its measured ceilings, timing, JSON.
+"""The harness every benchmark script shares: the machine, its measured ceilings, timing, JSON.
 
 Each ``bench/<op>.py`` checks its kernels against a float64 reference, times them and the peers the
 issue names, and writes ``<out_dir>/<op>.json``. Run one on the GPU machine as::
@@ -11,6 +11,12 @@ events would add, the host's dispatch and wait, is not the kernels' and stays ou
 ``dispatch_overhead_ms`` (an empty jitted function) says how much it is. ``time_stats_ms`` gives
 the spread: min / median / max over a fixed number of samples. The ceilings (copy, matmul) are
 device times as well.
+
+Also here, so that every script says them the same way: what "right" means
+(:func:`relative_error` and :func:`tolerance`, from :mod:`ejk_lite.testing`, the tests' own),
+the forward and forward + backward of a JAX function (:func:`forward_and_backward`), one result
+row (:func:`row`), the results file (:func:`write_result`) and a run's log, failures and exit
+status (:class:`Run`). The peers that run in PyTorch, and the bridge to them, are in ``peers.py``.
 """
 
 from __future__ import annotations
@@ -31,6 +37,12 @@ import numpy as np
 import ejk_lite  # before triton: without a GPU it selects the interpreter
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+from ejk_lite.testing import TOLERANCE, relative_error, tolerance  # noqa: E402, F401
+
+
+# ----------------------------------------------------------------------------------------------
+# The machine and the command line.
+# ----------------------------------------------------------------------------------------------
 
 
 def parse_args(description: str, extra: Callable[[argparse.ArgumentParser], None] | None = None
@@ -38,7 +50,8 @@ def parse_args(description: str, extra: Callable[[argparse.ArgumentParser], None
     """``--out`` and ``--quick``, and whatever ``extra(parser)`` adds."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--out", default="bench/results", help="folder for the JSON result")
-    parser.add_argument("--quick", action="store_true", help="small shapes, to try the script on CPU")
+    parser.add_argument("--quick", action="store_true",
+                        help="small shapes, to try the script on CPU")
     if extra is not None:
         extra(parser)
     return parser.parse_args()
@@ -47,7 +60,8 @@ def parse_args(description: str, extra: Callable[[argparse.ArgumentParser], None
 def versions() -> dict[str, str]:
     import triton
 
-    found = {"python": platform.python_version(), "jax": jax.__version__, "triton": triton.__version__}
+    found = {"python": platform.python_version(), "jax": jax.__version__,
+             "triton": triton.__version__}
     try:
         import jaxlib
 
@@ -66,7 +80,8 @@ def versions() -> dict[str, str]:
 
 def commit() -> str | None:
     """The commit the measured tree was taken from: ``$EJK_COMMIT``, else
-    ``bench/results/.commit`` (``python bench/gpu_check.py prepare``), else ``git rev-parse HEAD``."""
+    ``bench/results/.commit`` (``python bench/gpu_check.py prepare``), else
+    ``git rev-parse HEAD``."""
     import os
     import subprocess
 
@@ -88,7 +103,13 @@ def device_name() -> str:
     return getattr(device, "device_kind", device.platform)
 
 
-def median_ms(fn: Callable[[], Any], warmup_ms: int = 50, rep_ms: int = 300, calls: int = 8) -> float:
+# ----------------------------------------------------------------------------------------------
+# Timing: device time from the profiler, after an L2 flush.
+# ----------------------------------------------------------------------------------------------
+
+
+def median_ms(fn: Callable[[], Any], warmup_ms: int = 50, rep_ms: int = 300, calls: int = 8
+              ) -> float:
     """Median time of one ``fn()`` in milliseconds, measured by ``triton.testing.do_bench``.
 
     Each timed run queues ``calls`` calls (JAX dispatches asynchronously) and then waits for the
@@ -103,14 +124,16 @@ def median_ms(fn: Callable[[], Any], warmup_ms: int = 50, rep_ms: int = 300, cal
         jax.block_until_ready(out)
 
     run()  # compile outside the measurement
-    return float(triton.testing.do_bench(run, warmup=warmup_ms, rep=rep_ms, return_mode="median")) / calls
+    median = triton.testing.do_bench(run, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+    return float(median) / calls
 
 
 _L2_FLUSH = None
 
 
 def spread(times_ms: list[float], calls: int = 1) -> dict[str, float]:
-    """min / median / max of per-call times (each sample ran ``calls`` calls) and the sample count."""
+    """min / median / max of per-call times (each sample ran ``calls`` calls), and the sample
+    count."""
     per_call = [t / calls for t in times_ms]
     return {"min_ms": float(min(per_call)), "median_ms": float(np.median(per_call)),
             "max_ms": float(max(per_call)), "samples": len(per_call), "calls_per_sample": calls}
@@ -239,6 +262,11 @@ def dispatch_overhead_ms() -> float:
     return median_ms(lambda: f(x))
 
 
+# ----------------------------------------------------------------------------------------------
+# Ceilings: the copy bandwidth and the bf16 matmul rate, measured.
+# ----------------------------------------------------------------------------------------------
+
+
 @triton.jit
 def _copy_kernel(x_ptr, y_ptr, N: tl.constexpr, BLOCK: tl.constexpr):
     """y = x, BLOCK elements a program: the plainest streaming kernel, one of the copy ceilings.
@@ -252,8 +280,8 @@ def _copy_kernel(x_ptr, y_ptr, N: tl.constexpr, BLOCK: tl.constexpr):
 CEILINGS: dict[str, Any] = {}
 
 
-def copy_methods_gbs(n_bytes: int = 1 << 30, timer: Callable[[Callable[[], Any]], float] | None = None
-                     ) -> dict[str, float]:
+def copy_methods_gbs(n_bytes: int = 1 << 30,
+                     timer: Callable[[Callable[[], Any]], float] | None = None) -> dict[str, float]:
     """Read + write bandwidth of ``n_bytes`` of bf16 moved by several methods, GB/s each: an XLA
     elementwise op (``a * 1.5``), XLA's copy of an array (``jnp.copy`` under ``jit``, a
     device-to-device copy) and a Triton copy kernel at two block sizes. Each method's result is
@@ -321,7 +349,8 @@ def matmul_tflops(n: int = 8192, timer: Callable[[Callable[[], Any]], float] | N
 
 
 def wall_ms(fn: Callable[[], Any], reps: int = 3) -> float:
-    """Median wall time of ``reps`` calls after a warm-up: for slow peers (the lax.scan) and CPUs."""
+    """Median wall time of ``reps`` calls after a warm-up: for slow peers (the lax.scan), and
+    CPUs."""
     jax.block_until_ready(fn())
     times = []
     for _ in range(reps):
@@ -342,35 +371,64 @@ def ceilings() -> tuple[float, float]:
     return max(methods.values()), wall_ms(lambda: nothing(jnp.ones((8,))))
 
 
-def _to_float64(x: Any) -> np.ndarray:
-    if isinstance(x, np.ndarray):
-        return x.astype(np.float64)
-    return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+# ----------------------------------------------------------------------------------------------
+# Correctness: the tests' metric and tolerances (ejk_lite.testing), and what a race checks.
+# ----------------------------------------------------------------------------------------------
 
 
-def relative_error(out: Any, ref: Any) -> float:
-    """``‖out − ref‖ / ‖ref‖`` in float64; NaN anywhere in ``out`` gives ``inf``.
-
-    A NumPy ``ref`` (a float64 reference computed on the host) is used as it is; device arrays of
-    any dtype go through float32.
-    """
-    out, ref = _to_float64(out), _to_float64(ref)
-    if not np.all(np.isfinite(out)):
-        return float("inf")
-    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+def past_tolerance(errors: dict[str, float], dtype: Any, what: str) -> list[str]:
+    """One failure line for each error past :func:`tolerance` of ``dtype``: ``errors["out"]`` is
+    an output's, every other entry a gradient's (``dq``, ``dquery``, ...)."""
+    limits = {name: tolerance(dtype, gradient=name != "out") for name in errors}
+    return [f"{what} {name}: rel err {e:.3g} > {limits[name]:.3g}" for name, e in errors.items()
+            if not e <= limits[name]]
 
 
-def row(name: str, impl: str, direction: str, shape: Any, dtype: str, median: float,
+def compare(out: Any, grads: dict[str, Any], ref_out: Any, ref_grads: dict[str, Any]
+            ) -> dict[str, float]:
+    """Relative errors of an output and its gradients: ``out``, and ``d<name>`` for each entry of
+    ``ref_grads``."""
+    return {"out": relative_error(out, ref_out),
+            **{f"d{name}": relative_error(grads[name], ref_grads[name]) for name in ref_grads}}
+
+
+def worst(errors: dict[str, float], direction: str) -> float:
+    """What a row's ``rel_err`` holds: the output's error (fwd), else the worst gradient's."""
+    return errors["out"] if direction == "fwd" else max(e for n, e in errors.items() if n != "out")
+
+
+def forward_and_backward(fn: Callable[..., Any]) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """``fn(x, *rest)`` jitted, and ``(x, d_o, *rest) -> (output, gradient of x)`` jitted: the
+    pullback of the cotangent ``d_o`` (``x`` a pytree of the differentiated arrays, ``rest`` the
+    arguments that are not differentiated: masks, segment ids)."""
+    def fwd_bwd(x, d_o, *rest):
+        out, pullback = jax.vjp(lambda x_: fn(x_, *rest), x)
+        return out, pullback(d_o)[0]
+
+    return jax.jit(fn), jax.jit(fwd_bwd)
+
+
+# ----------------------------------------------------------------------------------------------
+# Rows, results files, tables.
+# ----------------------------------------------------------------------------------------------
+
+
+def row(name: str, impl: str, direction: str, shape: Any, dtype: str, median: float | None = None,
         bytes_moved: float | None = None, flops: float | None = None, copy_gbs: float | None = None,
-        rel_err: float | None = None, **extra: Any) -> dict[str, Any]:
+        rel_err: float | None = None, stats: dict[str, float] | None = None, **extra: Any
+        ) -> dict[str, Any]:
     """One measurement in the common schema the *Performance* chapter plots.
 
     ``direction`` is "fwd", "bwd" or "fwd+bwd"; ``impl`` names the implementation ("triton", "xla",
     "scan", "fla", ...). ``bytes_moved`` is the fewest bytes the op must move (each input read once,
-    each output written once): GB/s and % of the measured copy bandwidth follow from it.
+    each output written once): GB/s and % of the measured copy bandwidth follow from it. ``stats``
+    (:func:`time_stats_ms`) gives the median and the spread; or ``median`` alone.
     """
-    result = {"name": name, "impl": impl, "direction": direction, "shape": str(shape), "dtype": dtype,
-              "median_ms": median, "rel_err": rel_err}
+    if stats is not None:
+        median = stats["median_ms"]
+        extra = {**{k: v for k, v in stats.items() if k != "median_ms"}, **extra}
+    result = {"name": name, "impl": impl, "direction": direction, "shape": str(shape),
+              "dtype": dtype, "median_ms": median, "rel_err": rel_err}
     if bytes_moved is not None:
         result["bytes"] = bytes_moved
         result["gbs"] = bytes_moved / (median * 1e-3) / 1e9
@@ -415,3 +473,37 @@ def _fmt(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
     return "" if v is None else str(v)
+
+
+# ----------------------------------------------------------------------------------------------
+# A run: its log, failures, time budget and exit status.
+# ----------------------------------------------------------------------------------------------
+
+
+class Run:
+    """A benchmark run: its log (the elapsed time on every line), its failures, the cases it did
+    not run and why, an optional time budget, and its end (exit status 1 after any failure)."""
+
+    def __init__(self, budget_s: float | None = None):
+        self.start = time.perf_counter()
+        self.budget_s = budget_s
+        self.failures: list[str] = []
+        self.not_run: dict[str, str] = {}
+
+    def log(self, message: str) -> None:
+        print(f"[{time.perf_counter() - self.start:7.1f}s] {message}", flush=True)
+
+    def out_of_time(self, what: str) -> bool:
+        """True (and ``what`` recorded as not run) once the time budget is spent."""
+        if self.budget_s is None or time.perf_counter() - self.start < self.budget_s:
+            return False
+        self.not_run[what] = f"skipped: the time budget ({self.budget_s:.0f} s) was spent"
+        self.log(f"  {what}: skipped, time budget spent")
+        return True
+
+    def finish(self) -> None:
+        """The failures, on stderr, and exit status 1 if there are any (call it after the file is
+        written)."""
+        if self.failures:
+            print(f"FAILED ({len(self.failures)}):", *self.failures, sep="\n  ", file=sys.stderr)
+            sys.exit(1)

@@ -1,6 +1,6 @@
 """Benchmark chunk_local_cumsum (chunk 64) and chunk_global_cumsum: Triton against XLA.
 
-Cases, each in float32 and bfloat16:
+Cases (``CASES``), each in float32 and bfloat16:
 
 * scalar gates ``[8, 8192, 16]`` (one log-decay per token and head);
 * vector gates ``[4, 4096, 16, 128]`` (one per token, head and feature).
@@ -17,7 +17,8 @@ process (bench/common.py). The issue's target: Triton at >= 80 % of it on the la
 and faster than XLA.
 
 Checks before timing: outputs and gradients against float64 NumPy cumsums of the same (rounded)
-inputs; rows failing their dtype's tolerance are marked ``ok: false`` and listed at the end.
+inputs; rows past their dtype's tolerance (``ejk_lite.testing``, the tests' own) are marked
+``ok: false`` and listed at the end, and the script exits 1.
 
     python bench/cumsum.py --out bench/results          # on the GPU
     python bench/cumsum.py --quick --out /tmp/bench_cs  # tiny shapes, any machine (interpreter)
@@ -36,23 +37,26 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from common import (  # noqa: E402
+    TOLERANCE,
+    Run,
     ceilings,
     parse_args,
     print_table,
     relative_error,
     row,
     time_stats_ms,
+    tolerance,
     write_result,
 )
 from ejk_lite import chunk_global_cumsum, chunk_local_cumsum  # noqa: E402
 
 CHUNK = 64
-TOLERANCE = {"float32": 1e-5, "bfloat16": 1.6e-2}  # as tests/conftest.py, against float64
 SAMPLES = 10  # min / median / max over this many samples (common.time_stats_ms)
-
-
-
-
+CASES = [dict(kind="scalar", shape=(8, 8192, 16), quick=(2, 200, 4)),
+         dict(kind="vector", shape=(4, 4096, 16, 128), quick=(1, 96, 2, 16))]
+DTYPES = ("float32", "bfloat16")
+OPS = {"local": lambda impl: lambda x: chunk_local_cumsum(x, CHUNK, impl=impl),
+       "global": lambda impl: lambda x: chunk_global_cumsum(x, impl=impl)}
 
 
 def numpy_cumsum(x: np.ndarray, chunk: int | None, reverse: bool) -> np.ndarray:
@@ -72,56 +76,49 @@ def numpy_cumsum(x: np.ndarray, chunk: int | None, reverse: bool) -> np.ndarray:
     return sums.reshape(padded.shape)[:, :tokens]
 
 
-
-
-def make_op(op: str, impl: str):
-    if op == "local":
-        return lambda x: chunk_local_cumsum(x, CHUNK, impl=impl)
-    return lambda x: chunk_global_cumsum(x, impl=impl)
-
-
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
-    if args.quick:
-        shapes = {"scalar": (2, 200, 4), "vector": (1, 96, 2, 16)}
-    else:
-        shapes = {"scalar": (8, 8192, 16), "vector": (4, 4096, 16, 128)}
+    run = Run()
     copy_gbs, dispatch_ms = ceilings()
     print(f"copy bandwidth {copy_gbs:.0f} GB/s, dispatch overhead {dispatch_ms:.4f} ms")
 
     rows = []
     key = jax.random.key(0)
-    for (kind, shape), dtype in [(s, d) for s in shapes.items() for d in ("float32", "bfloat16")]:
-        key, kx, kw = jax.random.split(key, 3)
-        x = jax.random.normal(kx, shape, dtype)
-        w = jax.random.normal(kw, shape, dtype)
-        x64, w64 = np.asarray(x.astype(jnp.float32), np.float64), np.asarray(w.astype(jnp.float32), np.float64)
-        moved = 2 * x.size * x.dtype.itemsize  # read the input once, write the output once
-        for op in ("local", "global"):
-            chunk = CHUNK if op == "local" else None
-            expected = {"fwd": numpy_cumsum(x64, chunk, reverse=False), "bwd": numpy_cumsum(w64, chunk, reverse=True)}
-            for impl in ("triton", "xla"):
-                f = make_op(op, impl)
-                forward = jax.jit(f)
-                backward = jax.jit(jax.grad(lambda x, w, f=f: jnp.sum((w * f(x)).astype(jnp.float32))))
-                for direction, run in (("fwd", lambda: forward(x)), ("bwd", lambda: backward(x, w))):
-                    err = relative_error(run(), expected[direction])
-                    name = f"{op}{CHUNK if op == 'local' else ''} {kind} {list(shape)}"
-                    st = time_stats_ms(run, SAMPLES)
-                    r = row(name, impl, direction, list(shape), dtype, st["median_ms"], bytes_moved=moved,
-                            copy_gbs=copy_gbs, rel_err=err, op=op, ok=bool(err < TOLERANCE[dtype]),
-                            min_ms=st["min_ms"], max_ms=st["max_ms"], samples=st["samples"],
-                            calls_per_sample=st["calls_per_sample"])
-                    rows.append(r)
-                    print(f"{name:32s} {impl:6s} {direction} {dtype:8s} {r['median_ms']:8.4f} ms "
-                          f"{r['gbs']:7.0f} GB/s ({r['pct_of_copy']:3.0f}% of copy)  rel err {err:.1e}", flush=True)
+    for case in CASES:
+        shape = case["quick" if args.quick else "shape"]
+        for dtype in DTYPES:
+            key, kx, kw = jax.random.split(key, 3)
+            x, w = jax.random.normal(kx, shape, dtype), jax.random.normal(kw, shape, dtype)
+            moved = 2 * x.size * x.dtype.itemsize  # read the input once, write the output once
+            for op, make in OPS.items():
+                chunk = CHUNK if op == "local" else None
+                expected = {"fwd": numpy_cumsum(x, chunk, reverse=False),
+                            "bwd": numpy_cumsum(w, chunk, reverse=True)}
+                name = f"{op}{chunk or ''} {case['kind']} {list(shape)}"
+                for impl in ("triton", "xla"):
+                    f = make(impl)
+                    fwd = jax.jit(f)
+                    loss = lambda x, w, f=f: jnp.sum((w * f(x)).astype(jnp.float32))  # noqa: E731
+                    bwd = jax.jit(jax.grad(loss))
+                    for direction, call in (("fwd", lambda: fwd(x)), ("bwd", lambda: bwd(x, w))):
+                        err = relative_error(call(), expected[direction])
+                        r = row(name, impl, direction, list(shape), dtype, bytes_moved=moved,
+                                copy_gbs=copy_gbs, rel_err=err, stats=time_stats_ms(call, SAMPLES),
+                                op=op, ok=bool(err <= tolerance(dtype)))
+                        rows.append(r)
+                        print(f"{name:32s} {impl:6s} {direction} {dtype:8s} "
+                              f"{r['median_ms']:8.4f} ms {r['gbs']:7.0f} GB/s "
+                              f"({r['pct_of_copy']:3.0f}% of copy)  rel err {err:.1e}", flush=True)
 
     speedups = {}
     for r in rows:
         if r["impl"] == "triton":
-            peer = next(p for p in rows if p["impl"] == "xla" and
-                        all(p[k] == r[k] for k in ("name", "direction", "dtype")))
-            speedups[f"{r['name']} {r['direction']} {r['dtype']}"] = peer["median_ms"] / r["median_ms"]
+            xla = next(p for p in rows if p["impl"] == "xla" and
+                       all(p[k] == r[k] for k in ("name", "direction", "dtype")))
+            case = f"{r['name']} {r['direction']} {r['dtype']}"
+            speedups[case] = xla["median_ms"] / r["median_ms"]
+    run.failures = [f"{r['name']} {r['impl']} {r['direction']} {r['dtype']}: rel_err "
+                    f"{r['rel_err']:.3g}" for r in rows if not r["ok"]]
     path = write_result(args.out, "cumsum", {
         "quick": args.quick,
         "copy_bandwidth_gbs": copy_gbs,
@@ -129,18 +126,15 @@ def main() -> None:
         "chunk_size": CHUNK,
         "target": "triton >= 80% of copy bandwidth on the large shapes, and faster than XLA",
         "triton_speedup_over_xla": speedups,
-        "tolerance": TOLERANCE,
-        "failures": [f"{r['name']} {r['impl']} {r['direction']} {r['dtype']}: rel_err "
-                     f"{r['rel_err']:.3g}" for r in rows if not r["ok"]],
-        "passed": all(r["ok"] for r in rows),
+        "tolerance": {dtype: TOLERANCE[dtype] for dtype in DTYPES},
+        "failures": run.failures,
+        "passed": not run.failures,
         "rows": rows,
     })
     print(f"\nwrote {path}\n")
-    print_table(rows, ["name", "impl", "direction", "dtype", "median_ms", "gbs", "pct_of_copy", "rel_err", "ok"])
-    failed = [f"{r['name']} {r['impl']} {r['direction']} {r['dtype']}" for r in rows if not r["ok"]]
-    if failed:
-        print("\nCORRECTNESS FAILURES:\n  " + "\n  ".join(failed))
-        sys.exit(1)
+    print_table(rows, ["name", "impl", "direction", "dtype", "median_ms", "gbs", "pct_of_copy",
+                       "rel_err", "ok"])
+    run.finish()
 
 
 if __name__ == "__main__":

@@ -67,7 +67,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 COMMIT_FILE = ROOT / "bench" / "results" / ".commit"
 WHEELS = ROOT / ".whl"
-NOT_BENCHES = {"common", "gpu_check"}
+NOT_BENCHES = {"common", "gpu_check", "peers"}  # the harness and the peers, no op
 PACKAGES = ["jax", "jaxlib", "jax-cuda13-plugin", "triton", "jax-triton", "torch", "fla-core",
             "numpy", "pytest", "pytest-xdist", "nbclient", "jupyter-client", "ipykernel"]
 FULL_TESTS = ["tests"]

@@ -8,11 +8,10 @@ import numpy as np
 import pytest
 
 import ejk_lite  # noqa: F401  (settles TRITON_INTERPRET before any test defines a kernel)
+# The tolerances and the error metric, shared with bench/ (ejk_lite.testing says why each).
+from ejk_lite.testing import TOLERANCE, relative_error, tolerance  # noqa: F401
 
 jax.config.update("jax_enable_x64", False)
-
-# Relative-error tolerances by input dtype, ‖out − ref‖ / ‖ref‖ against a float64 reference.
-TOLERANCE = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
 
 # cu_seqlens whose values would wrap on the way to a kernel, with the error each must raise:
 # every op that takes cu_seqlens refuses them (validate_cu_seqlens).
@@ -25,11 +24,12 @@ WRAPPING_CU_SEQLENS = [
 
 
 def rel_err(out, ref) -> float:
+    """:func:`ejk_lite.testing.relative_error` in float64, failing the test on a NaN or an inf."""
     out = np.asarray(out, dtype=np.float64)
     ref = np.asarray(ref, dtype=np.float64)
     assert out.shape == ref.shape, (out.shape, ref.shape)
     assert np.all(np.isfinite(out)), "output has NaN/inf (an element was never written?)"
-    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+    return relative_error(out, ref)
 
 
 @pytest.fixture
