@@ -31,7 +31,8 @@ import re
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
-__all__ = ["H100_SXM", "Cost", "Floor", "Peaks", "check_exercise", "code_diff", "floor_ms",
+__all__ = ["H100_SXM", "Cost", "Floor", "Peaks", "check_exercise", "code_diff", "compare_times",
+           "floor_ms",
            "live_figure", "recorded_label", "recorded_results", "roofline_figure",
            "roofline_rows", "roofline_table", "row_cost", "show_code", "show_diff", "source_of"]
 
@@ -241,6 +242,27 @@ def recorded_results(name: str | None = None) -> dict[str, dict]:
                 found.reason = f"No {name or 'results'} file in {results}."
             return found
     return _fetch_results(name, found)
+
+
+def compare_times(ms: float, other_ms: float, *, tie: float = 0.05) -> str:
+    """How a measured time compares with another, in words: for the sentences a chapter
+    computes from :func:`recorded_results` instead of typing them, so that a new run of the
+    benchmarks cannot leave the prose saying the opposite of the figures.
+
+    ``"2.1× faster than"`` where ``ms`` is the shorter (the ratio is ``other_ms / ms``),
+    ``"1.3× slower than"`` where it is the longer, ``"about as fast as"`` where the longer is
+    at most ``tie`` (a fraction: 0.05 is 5%) above the shorter. Both times in one unit, > 0.
+    """
+    for name, value in (("ms", ms), ("other_ms", other_ms)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not math.isfinite(value) or value <= 0:
+            raise ValueError(f"{name} must be a finite time > 0, got {value!r}")
+    if isinstance(tie, bool) or not isinstance(tie, (int, float)) or not 0 <= tie < 1:
+        raise ValueError(f"tie must be a fraction in [0, 1), got {tie!r}")
+    ratio = max(ms, other_ms) / min(ms, other_ms)
+    if ratio <= 1 + tie:
+        return "about as fast as"
+    return f"{ratio:.1f}× {'faster' if ms < other_ms else 'slower'} than"
 
 
 def _fetch_results(name: str | None, found: RecordedResults) -> RecordedResults:

@@ -218,3 +218,29 @@ def test_show_code_and_diff_name_a_bad_argument():
     with pytest.raises(ValueError, match="line 2 has 132 characters"):
         show_code(wide)
     show_code(wide, width=None)
+
+
+def test_compare_times_says_faster_slower_or_about_the_same():
+    from ejk_lite.notebook import compare_times
+
+    assert compare_times(1.0, 2.1) == "2.1× faster than"
+    assert compare_times(2.6, 2.0) == "1.3× slower than"
+    assert compare_times(np.float64(3.0), 1) == "3.0× slower than"  # numpy floats, ints
+    # within the tie (5% by default) either way: about the same; just past it: a ratio
+    assert compare_times(1.0, 1.04) == compare_times(1.04, 1.0) == "about as fast as"
+    assert compare_times(1.0, 1.06) == "1.1× faster than"
+    assert compare_times(1.0, 1.06, tie=0.1) == "about as fast as"
+    assert compare_times(1.0, 1.0, tie=0.0) == "about as fast as"
+
+
+def test_compare_times_names_a_bad_argument():
+    from ejk_lite.notebook import compare_times
+
+    for bad in (0.0, -1.0, float("nan"), float("inf"), None, True, "1"):
+        with pytest.raises(ValueError, match="ms must be a finite time > 0"):
+            compare_times(bad, 1.0)
+        with pytest.raises(ValueError, match="other_ms must be a finite time > 0"):
+            compare_times(1.0, bad)
+    for tie in (-0.1, 1.0, True, None):
+        with pytest.raises(ValueError, match="tie must be a fraction"):
+            compare_times(1.0, 2.0, tie=tie)
