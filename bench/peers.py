@@ -36,8 +36,14 @@ def to_torch(torch: Any, x: jax.Array) -> Any:
 
 
 def from_torch(t: Any) -> jax.Array:
-    """A torch tensor as a JAX array on the same device (DLPack), copied: JAX owns its memory."""
-    return jax.dlpack.from_dlpack(t.detach().contiguous(), copy=True)
+    """A torch tensor as a JAX array on the same device (DLPack) of a fresh torch copy, that JAX
+    alone holds. (``from_dlpack(..., copy=True)`` is refused by the GPU's PJRT plugin: "PJRT C API
+    does not support HostBufferSemantics other than ...", H100, jax 0.11.2.)"""
+    import torch
+
+    copy = t.detach().contiguous().clone()
+    torch.cuda.synchronize()  # the copy is finished before JAX reads it
+    return jax.dlpack.from_dlpack(copy)
 
 
 def torch_race(torch: Any, call: Callable[[dict], Any], inputs: dict[str, jax.Array],
