@@ -147,13 +147,18 @@ def run_shape(run, index, shape, ops, fla, samples, quick, copy_gbs, rows, refus
         short, short_d_o = peers.prefix(inputs, check_len), d_o[:, :check_len]
         wide = {n: x.astype(jnp.float32) for n, x in short.items()}
         ref_o, ref_grads = functions(reference, scale)[1](wide, short_d_o.astype(jnp.float32))
+        # Where a shape's minutes go (a run of shape 0 did not finish in 320 s on the H100,
+        # fla's autotuning included): a line per step.
+        run.log(f"{name}: float32 reference on {check_len} tokens done")
 
         for impl, op in ops.items():
             peer = None
             if fla is not None and h_kv == h:  # fla has no grouped key/value heads
                 peer = fla_peer(run, fla, impl, gate, inputs, d_o, scale, samples, refused)
+                run.log(f"{name} {impl}: fla's {peer[0] if peer else 'peer'} timed")
             fwd, fwd_bwd = functions(op, scale)
             err_ref = compare(*fwd_bwd(short, short_d_o), ref_o, ref_grads)
+            run.log(f"{name} {impl}: ours checked against the reference")
             err_fla = None
             if peer is not None:
                 peer_name, (fla_o, fla_grads, fla_stats) = peer
