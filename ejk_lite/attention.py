@@ -463,20 +463,25 @@ def _fwd_program(i_m, i_bh, tensors, rule, bias, lists, sizes, LOGITS: tl.conste
 def _walk(PROGRAM: tl.constexpr, args, n_blocks, n_programs, retry_ptr, flag_ptr,
           REVERSED: tl.constexpr, OPTIMISTIC: tl.constexpr, RETRY: tl.constexpr,
           SCAN: tl.constexpr, ROWS: tl.constexpr):
-    """Run ``PROGRAM(block, row, *args, SAFE)`` for this program of a launch on the grid
-    ``(n_blocks, rows)``; blocks in reverse order if ``REVERSED``. Program p of the first
-    launch is (p % n_blocks, p // n_blocks), or (n_blocks - 1 - p % n_blocks, ...): under a
-    causal mask the last query blocks have the most work, they start first, so the short ones
-    fill the gaps at the end. ``OPTIMISTIC``: without NaN containment, storing ``ROWS`` flags
-    of the program's result (``_rows_not_finite``); ``RETRY``: the programs of the first launch
-    that flagged one, again, safe. See ``_launch``."""
+    """What each of the three kernels does: ``PROGRAM(block, row, *args, SAFE)`` for
+    program ``(block, row)`` of the grid ``(n_blocks, rows)``, blocks in reverse order if
+    ``REVERSED`` (under a causal mask the last query blocks have the most work: they start
+    first, so the short ones fill the gaps at the end). ``OPTIMISTIC``: without NaN
+    containment, storing ``ROWS`` flags of what the program returns
+    (``_rows_not_finite``).
+    ``RETRY``: the second launch, which runs the programs of the first that flagged a row
+    again, with containment (``SAFE``). Program p of the first launch is block
+    ``p % n_blocks`` (reversed: ``n_blocks - 1 - p % n_blocks``) of row ``p // n_blocks``;
+    see ``_launch``. ``PROGRAM`` is a function passed as a constant: Triton compiles one
+    walk per kernel."""
     if RETRY:  # programs SCAN * pid ... of the first launch: one load, and rarely more
         first = tl.program_id(0) * SCAN
         if _flagged(retry_ptr, first, n_programs, SCAN, ROWS):
             for p in range(first, first + SCAN):
                 if _flagged(retry_ptr, p, n_programs, 1, ROWS):
                     if REVERSED:
-                        PROGRAM(n_blocks - 1 - p % n_blocks, p // n_blocks, *args, True)
+                        PROGRAM(n_blocks - 1 - p % n_blocks, p // n_blocks, *args,
+                                True)
                     else:
                         PROGRAM(p % n_blocks, p // n_blocks, *args, True)
     else:
@@ -487,7 +492,8 @@ def _walk(PROGRAM: tl.constexpr, args, n_blocks, n_programs, retry_ptr, flag_ptr
             result = PROGRAM(tl.program_id(0), tl.program_id(1), *args, not OPTIMISTIC)
         if OPTIMISTIC:  # a flag per row (_rows_not_finite)
             p = tl.program_id(1) * n_blocks + tl.program_id(0)
-            tl.store(flag_ptr + p * ROWS + tl.arange(0, ROWS), _rows_not_finite(result))
+            tl.store(flag_ptr + p * ROWS + tl.arange(0, ROWS),
+                     _rows_not_finite(result))
 
 
 @triton.jit
