@@ -209,14 +209,30 @@ def _flagged(flag_ptr, first, n_programs, COUNT: tl.constexpr, ROWS: tl.constexp
     return tl.max(tl.max(flags, 1), 0) > 0
 
 
+# Kernel parameters travel in tuples (Triton flattens them; the compiled code is the same), each
+# named once here:
+#   rule    the token rule's runtime operands: ids, token mask, their strides, the two windows
+#   bias    the bias, and its strides along B, H, T and S (in a tile: a head's base, T and S)
+#   lists   the block mask's lists: partial count and index, full count and index, and the
+#           strides of a batch row and a head in them
+#   sizes   T, S, n_q_blocks, n_kv_blocks
+#   LOGITS  constexpr (SCALE, SOFT_CAP, USE_SOFTCAP, HAS_BIAS, DOT_PRECISION)
+#   RULE    constexpr (HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2,
+#           HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2)
+#   SHAPE   constexpr (H, G, D, DV, BD, BDV, BQ, BK, EVEN_S)
+
+
 @triton.jit
-def _logits(q, k, offs_m, offs_n, bias_base, stride_bt, stride_bs, SCALE: tl.constexpr,
-            SOFT_CAP: tl.constexpr, T, S, USE_SOFTCAP: tl.constexpr,
-            HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _logits(q, k, offs_m, offs_n, bias, T, S, LOGITS: tl.constexpr):
     """The final logits in base 2, ``log2(e) * (cap * tanh(SCALE q k^T / cap) + bias)``,
     and the tanh (for the soft cap's derivative). Base 2 because ``exp2`` is one
     instruction; without a soft cap and a bias the whole scaling is one multiply by a
-    constant."""
+    constant. ``bias``: a head's base, and its strides along T and S."""
+    SCALE: tl.constexpr = LOGITS[0]
+    SOFT_CAP: tl.constexpr = LOGITS[1]
+    USE_SOFTCAP: tl.constexpr = LOGITS[2]
+    HAS_BIAS: tl.constexpr = LOGITS[3]
+    DOT_PRECISION: tl.constexpr = LOGITS[4]
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     t = s
     if USE_SOFTCAP:
@@ -225,6 +241,7 @@ def _logits(q, k, offs_m, offs_n, bias_base, stride_bt, stride_bs, SCALE: tl.con
     else:
         s = s * (SCALE * LOG2E)
     if HAS_BIAS:
+        bias_base, stride_bt, stride_bs = bias
         bias_ptrs = (bias_base + offs_m.to(tl.int64)[:, None] * stride_bt
                      + offs_n.to(tl.int64)[None, :] * stride_bs)
         in_range = (offs_m < T)[:, None] & (offs_n < S)[None, :]
@@ -278,15 +295,23 @@ def _clause(visible, q_seg, q_pos, ids_base, stride_kind, offs_n, in_kv, window_
 
 
 @triton.jit
-def _visible(offs_m, offs_n, q_seg, q_pos, ids_base, stride_kind, mask_base, window_left,
-             window_right, window2_left, window2_right, T, S, MASKED: tl.constexpr,
-             HAS_SEGMENTS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-             HAS_TOKEN_MASK: tl.constexpr, CLAUSE2: tl.constexpr, HAS_SEGMENTS2: tl.constexpr,
-             IS_CAUSAL2: tl.constexpr, HAS_WINDOW2: tl.constexpr):
+def _visible(offs_m, offs_n, q_seg, q_pos, rule, T, S, MASKED: tl.constexpr,
+             RULE: tl.constexpr):
     """Which pairs of a tile are visible: in range, and (in partial tiles) the token rule holds:
     its first clause (``q_seg``, ``q_pos`` are the query block's ids in it, and the token mask
     belongs to it), joined by and (``CLAUSE2 == 1``) or or (2) to a second one if there is one.
-    Rows past T see nothing: in the backward a NaN must not reach dK through a padding row."""
+    Rows past T see nothing: in the backward a NaN must not reach dK through a padding row.
+    ``rule``: this batch row's ids, their stride, this head's token mask, the two windows."""
+    ids_base, stride_kind, mask_base, window_left, window_right, window2_left, \
+        window2_right = rule
+    HAS_SEGMENTS: tl.constexpr = RULE[0]
+    IS_CAUSAL: tl.constexpr = RULE[1]
+    HAS_WINDOW: tl.constexpr = RULE[2]
+    HAS_TOKEN_MASK: tl.constexpr = RULE[3]
+    CLAUSE2: tl.constexpr = RULE[4]
+    HAS_SEGMENTS2: tl.constexpr = RULE[5]
+    IS_CAUSAL2: tl.constexpr = RULE[6]
+    HAS_WINDOW2: tl.constexpr = RULE[7]
     in_kv = offs_n < S
     in_range = (offs_m < T)[:, None] & in_kv[None, :]
     visible = in_range
@@ -311,19 +336,18 @@ def _visible(offs_m, offs_n, q_seg, q_pos, ids_base, stride_kind, mask_base, win
 
 @triton.jit
 def _fwd_tiles(acc, m_i, l_i, q, offs_m, q_seg, q_pos, list_ptr, count, n_blocks, k_base,
-               v_base, ids_base, stride_kind, mask_base, bias_base, stride_bt, stride_bs,
-               window_left, window_right, window2_left, window2_right, T, S,
-               SCALE: tl.constexpr, SOFT_CAP: tl.constexpr, D: tl.constexpr,
-               DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BK: tl.constexpr,
-               MASKED: tl.constexpr, HAS_SEGMENTS: tl.constexpr, IS_CAUSAL: tl.constexpr,
-               HAS_WINDOW: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr,
-               CLAUSE2: tl.constexpr, HAS_SEGMENTS2: tl.constexpr,
-               IS_CAUSAL2: tl.constexpr, HAS_WINDOW2: tl.constexpr,
-               HAS_BIAS: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-               DOT_PRECISION: tl.constexpr, EVEN_S: tl.constexpr, SAFE: tl.constexpr):
+               v_base, rule, bias, T, S, LOGITS: tl.constexpr, RULE: tl.constexpr,
+               SHAPE: tl.constexpr, MASKED: tl.constexpr, SAFE: tl.constexpr):
     """The online-softmax inner loop over ``count`` key blocks read from ``list_ptr``;
     ``SAFE``: keep a NaN or an inf of v inside the rows that see it (see
     ``_rows_not_finite``)."""
+    DOT_PRECISION: tl.constexpr = LOGITS[4]
+    D: tl.constexpr = SHAPE[2]
+    DV: tl.constexpr = SHAPE[3]
+    BD: tl.constexpr = SHAPE[4]
+    BDV: tl.constexpr = SHAPE[5]
+    BK: tl.constexpr = SHAPE[7]
+    EVEN_S: tl.constexpr = SHAPE[8]
     offs_d = tl.arange(0, BD)
     offs_dv = tl.arange(0, BDV)
     for i in range(count):
@@ -331,12 +355,8 @@ def _fwd_tiles(acc, m_i, l_i, q, offs_m, q_seg, q_pos, list_ptr, count, n_blocks
         offs_n = kb * BK + tl.arange(0, BK)
         k = _load_tile(k_base, offs_n, offs_d, S, D, EVEN_S & (D == BD))
         v = _load_tile(v_base, offs_n, offs_dv, S, DV, EVEN_S & (DV == BDV))
-        s, _ = _logits(q, k, offs_m, offs_n, bias_base, stride_bt, stride_bs, SCALE,
-                       SOFT_CAP, T, S, USE_SOFTCAP, HAS_BIAS, DOT_PRECISION)
-        visible = _visible(offs_m, offs_n, q_seg, q_pos, ids_base, stride_kind, mask_base,
-                           window_left, window_right, window2_left, window2_right, T, S,
-                           MASKED, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK,
-                           CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2)
+        s, _ = _logits(q, k, offs_m, offs_n, bias, T, S, LOGITS)
+        visible = _visible(offs_m, offs_n, q_seg, q_pos, rule, T, S, MASKED, RULE)
         if MASKED or not EVEN_S:  # full tiles of an even length: every pair is visible
             s = tl.where(visible, s, float("-inf"))
         if SAFE:
@@ -363,28 +383,25 @@ def _fwd_tiles(acc, m_i, l_i, q, offs_m, q_seg, q_pos, list_ptr, count, n_blocks
 
 
 @triton.jit
-def _fwd_program(
-    i_m, i_bh,  # this program: query block, (batch, head)
-    # inputs
-    q_ptr, k_ptr, v_ptr, ids_ptr, token_mask_ptr, bias_ptr, sink_ptr,
-    partial_count_ptr, partial_index_ptr, full_count_ptr, full_index_ptr,
-    # scalars
-    window_left, window_right, window2_left, window2_right, T, S, n_q_blocks, n_kv_blocks,
-    stride_ids_b, stride_kind, stride_mask_b, stride_mask_h, stride_bb, stride_bh,
-    stride_bt, stride_bs, stride_bm_b, stride_bm_h,
-    # outputs
-    o_ptr, lse_ptr,
-    # shapes and features
-    SCALE: tl.constexpr, SOFT_CAP: tl.constexpr, H: tl.constexpr, G: tl.constexpr,
-    D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
-    BQ: tl.constexpr, BK: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr,
-    CLAUSE2: tl.constexpr, HAS_SEGMENTS2: tl.constexpr, IS_CAUSAL2: tl.constexpr,
-    HAS_WINDOW2: tl.constexpr, HAS_BIAS: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    HAS_SINKS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, EVEN_S: tl.constexpr, SAFE: tl.constexpr,
-):
-    """One query block of one head: ``o`` and ``lse`` stored; its accumulator returned."""
+def _fwd_program(i_m, i_bh, tensors, rule, bias, lists, sizes, LOGITS: tl.constexpr,
+                 RULE: tl.constexpr, SHAPE: tl.constexpr, HAS_SINKS: tl.constexpr,
+                 SAFE: tl.constexpr):
+    """One query block ``i_m`` of one (batch, head) ``i_bh``: ``o`` and ``lse`` stored;
+    its accumulator returned. ``tensors``: q, k, v, sinks, o, lse."""
+    q_ptr, k_ptr, v_ptr, sink_ptr, o_ptr, lse_ptr = tensors
+    ids_ptr, token_mask_ptr, stride_ids_b, stride_kind, stride_mask_b, stride_mask_h, \
+        window_left, window_right, window2_left, window2_right = rule
+    bias_ptr, stride_bb, stride_bh, stride_bt, stride_bs = bias
+    partial_count_ptr, partial_index_ptr, full_count_ptr, full_index_ptr, stride_bm_b, \
+        stride_bm_h = lists
+    T, S, n_q_blocks, n_kv_blocks = sizes
+    H: tl.constexpr = SHAPE[0]
+    G: tl.constexpr = SHAPE[1]
+    D: tl.constexpr = SHAPE[2]
+    DV: tl.constexpr = SHAPE[3]
+    BD: tl.constexpr = SHAPE[4]
+    BDV: tl.constexpr = SHAPE[5]
+    BQ: tl.constexpr = SHAPE[6]
     i_b, i_h = i_bh // H, i_bh % H
     i_bh64 = i_bh.to(tl.int64)
     i_kvh64 = (i_b * (H // G) + i_h // G).to(tl.int64)
@@ -399,11 +416,14 @@ def _fwd_program(
     q = tl.load(q_base + offs_m[:, None] * D + offs_d[None, :],
                 mask=in_q[:, None] & (offs_d < D)[None, :], other=0.0)
     ids_base = ids_ptr + i_b * stride_ids_b
-    q_seg, q_pos = _q_ids(ids_base, stride_kind, offs_m, T, HAS_SEGMENTS,
-                          IS_CAUSAL or HAS_WINDOW)
+    # (HAS_SEGMENTS; IS_CAUSAL or HAS_WINDOW: whether the rule reads segments, positions)
+    q_seg, q_pos = _q_ids(ids_base, stride_kind, offs_m, T, RULE[0], RULE[1] or RULE[2])
     mask_base = (token_mask_ptr + i_b.to(tl.int64) * stride_mask_b
                  + i_h.to(tl.int64) * stride_mask_h)
     bias_base = bias_ptr + i_b.to(tl.int64) * stride_bb + i_h.to(tl.int64) * stride_bh
+    tile_rule = (ids_base, stride_kind, mask_base, window_left, window_right,
+                 window2_left, window2_right)
+    tile_bias = (bias_base, stride_bt, stride_bs)
 
     # the sink is the first "logit" of every row: m = sink, l = exp2(sink - m) = 1
     if HAS_SINKS:
@@ -420,19 +440,11 @@ def _fwd_program(
     acc, m_i, l_i = _fwd_tiles(
         acc, m_i, l_i, q, offs_m, q_seg, q_pos,
         partial_index_ptr + row.to(tl.int64) * n_kv_blocks, n_partial, n_kv_blocks,
-        k_base, v_base, ids_base, stride_kind, mask_base, bias_base, stride_bt, stride_bs,
-        window_left, window_right, window2_left, window2_right, T, S, SCALE, SOFT_CAP, D,
-        DV, BD, BDV, BK, True, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK,
-        CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP,
-        DOT_PRECISION, EVEN_S, SAFE)
+        k_base, v_base, tile_rule, tile_bias, T, S, LOGITS, RULE, SHAPE, True, SAFE)
     acc, m_i, l_i = _fwd_tiles(
         acc, m_i, l_i, q, offs_m, q_seg, q_pos,
-        full_index_ptr + row.to(tl.int64) * n_kv_blocks, n_full, n_kv_blocks, k_base,
-        v_base, ids_base, stride_kind, mask_base, bias_base, stride_bt, stride_bs,
-        window_left, window_right, window2_left, window2_right, T, S, SCALE, SOFT_CAP, D,
-        DV, BD, BDV, BK, False, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK,
-        CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP,
-        DOT_PRECISION, EVEN_S, False)
+        full_index_ptr + row.to(tl.int64) * n_kv_blocks, n_full, n_kv_blocks,
+        k_base, v_base, tile_rule, tile_bias, T, S, LOGITS, RULE, SHAPE, False, False)
 
     # A row that saw no key (and has no sink) has l = 0: its output is 0 and its lse +inf,
     # so that the backward's p = exp2(s - lse) is 0 for it. A row that saw a NaN logit has
@@ -445,6 +457,43 @@ def _fwd_program(
              o.to(o_ptr.dtype.element_ty), mask=in_q[:, None] & (offs_dv < DV)[None, :])
     tl.store(lse_ptr + i_bh64 * T + offs_m, lse, mask=in_q)
     return acc
+
+
+@triton.jit
+def _walk(PROGRAM: tl.constexpr, args, n_blocks, n_programs, retry_ptr, flag_ptr,
+          REVERSED: tl.constexpr, OPTIMISTIC: tl.constexpr, RETRY: tl.constexpr,
+          SCAN: tl.constexpr, ROWS: tl.constexpr):
+    """What each of the three kernels does: ``PROGRAM(block, row, *args, SAFE)`` for
+    program ``(block, row)`` of the grid ``(n_blocks, rows)``, blocks in reverse order if
+    ``REVERSED`` (under a causal mask the last query blocks have the most work: they start
+    first, so the short ones fill the gaps at the end). ``OPTIMISTIC``: without NaN
+    containment, storing ``ROWS`` flags of what the program returns
+    (``_rows_not_finite``).
+    ``RETRY``: the second launch, which runs the programs of the first that flagged a row
+    again, with containment (``SAFE``). Program p of the first launch is block
+    ``p % n_blocks`` (reversed: ``n_blocks - 1 - p % n_blocks``) of row ``p // n_blocks``;
+    see ``_launch``. ``PROGRAM`` is a function passed as a constant: Triton compiles one
+    walk per kernel."""
+    if RETRY:  # programs SCAN * pid ... of the first launch: one load, and rarely more
+        first = tl.program_id(0) * SCAN
+        if _flagged(retry_ptr, first, n_programs, SCAN, ROWS):
+            for p in range(first, first + SCAN):
+                if _flagged(retry_ptr, p, n_programs, 1, ROWS):
+                    if REVERSED:
+                        PROGRAM(n_blocks - 1 - p % n_blocks, p // n_blocks, *args,
+                                True)
+                    else:
+                        PROGRAM(p % n_blocks, p // n_blocks, *args, True)
+    else:
+        if REVERSED:
+            result = PROGRAM(n_blocks - 1 - tl.program_id(0), tl.program_id(1), *args,
+                             not OPTIMISTIC)
+        else:
+            result = PROGRAM(tl.program_id(0), tl.program_id(1), *args, not OPTIMISTIC)
+        if OPTIMISTIC:  # a flag per row (_rows_not_finite)
+            p = tl.program_id(1) * n_blocks + tl.program_id(0)
+            tl.store(flag_ptr + p * ROWS + tl.arange(0, ROWS),
+                     _rows_not_finite(result))
 
 
 @triton.jit
@@ -470,60 +519,33 @@ def _attention_fwd_kernel(
     DOT_PRECISION: tl.constexpr, EVEN_S: tl.constexpr, OPTIMISTIC: tl.constexpr,
     RETRY: tl.constexpr, SCAN: tl.constexpr, ROWS: tl.constexpr,
 ):
-    # Query blocks in reverse order: under a causal mask the last blocks have the most
-    # work; they start first, so the short ones fill the gaps at the end. Program p of the
-    # first launch is (n_q_blocks - 1 - p % n_q_blocks, p // n_q_blocks); see _launch.
-    if RETRY:  # programs SCAN * pid ... of the first launch: one load, and rarely more
-        first = tl.program_id(0) * SCAN
-        if _flagged(retry_ptr, first, n_programs, SCAN, ROWS):
-            for p in range(first, first + SCAN):
-                if _flagged(retry_ptr, p, n_programs, 1, ROWS):
-                    _fwd_program(
-                        n_q_blocks - 1 - p % n_q_blocks, p // n_q_blocks, q_ptr, k_ptr, v_ptr,
-                        ids_ptr, token_mask_ptr, bias_ptr, sink_ptr, partial_count_ptr,
-                        partial_index_ptr, full_count_ptr, full_index_ptr, window_left,
-                        window_right, window2_left, window2_right, T, S, n_q_blocks,
-                        n_kv_blocks, stride_ids_b, stride_kind, stride_mask_b, stride_mask_h,
-                        stride_bb, stride_bh, stride_bt, stride_bs, stride_bm_b, stride_bm_h,
-                        o_ptr, lse_ptr, SCALE, SOFT_CAP, H, G, D, DV, BD, BDV, BQ, BK,
-                        HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2,
-                        HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP,
-                        HAS_SINKS, DOT_PRECISION, EVEN_S, True)
-    else:
-        acc = _fwd_program(
-            n_q_blocks - 1 - tl.program_id(0), tl.program_id(1), q_ptr, k_ptr, v_ptr,
-            ids_ptr, token_mask_ptr, bias_ptr, sink_ptr, partial_count_ptr, partial_index_ptr,
-            full_count_ptr, full_index_ptr, window_left, window_right, window2_left,
-            window2_right, T, S, n_q_blocks, n_kv_blocks, stride_ids_b, stride_kind,
-            stride_mask_b, stride_mask_h, stride_bb, stride_bh, stride_bt, stride_bs,
-            stride_bm_b, stride_bm_h, o_ptr, lse_ptr, SCALE, SOFT_CAP, H, G, D, DV, BD, BDV,
-            BQ, BK, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2,
-            HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP, HAS_SINKS,
-            DOT_PRECISION, EVEN_S, not OPTIMISTIC)
-        if OPTIMISTIC:  # a flag per row (_rows_not_finite)
-            p = tl.program_id(1) * n_q_blocks + tl.program_id(0)
-            tl.store(flag_ptr + p * ROWS + tl.arange(0, ROWS), _rows_not_finite(acc))
+    # The parameters stay flat here: they are what triton_call passes (arrays, numbers,
+    # constants, one by one). Query blocks in reverse order (see _walk).
+    _walk(_fwd_program,
+          ((q_ptr, k_ptr, v_ptr, sink_ptr, o_ptr, lse_ptr),
+           (ids_ptr, token_mask_ptr, stride_ids_b, stride_kind, stride_mask_b, stride_mask_h,
+            window_left, window_right, window2_left, window2_right),
+           (bias_ptr, stride_bb, stride_bh, stride_bt, stride_bs),
+           (partial_count_ptr, partial_index_ptr, full_count_ptr, full_index_ptr, stride_bm_b,
+            stride_bm_h),
+           (T, S, n_q_blocks, n_kv_blocks),
+           (SCALE, SOFT_CAP, USE_SOFTCAP, HAS_BIAS, DOT_PRECISION),
+           (HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2, HAS_SEGMENTS2,
+            IS_CAUSAL2, HAS_WINDOW2),
+           (H, G, D, DV, BD, BDV, BQ, BK, EVEN_S), HAS_SINKS),
+          n_q_blocks, n_programs, retry_ptr, flag_ptr, True, OPTIMISTIC, RETRY, SCAN, ROWS)
 
 
 @triton.jit
-def _bwd_tile(q, k, v, do, lse, delta, offs_m, offs_n, q_seg, q_pos, ids_base,
-              stride_kind, mask_base, bias_base, stride_bt, stride_bs, window_left,
-              window_right, window2_left, window2_right, T, S, SCALE: tl.constexpr,
-              SOFT_CAP: tl.constexpr, MASKED: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
-              IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-              HAS_TOKEN_MASK: tl.constexpr, CLAUSE2: tl.constexpr,
-              HAS_SEGMENTS2: tl.constexpr, IS_CAUSAL2: tl.constexpr,
-              HAS_WINDOW2: tl.constexpr, HAS_BIAS: tl.constexpr,
-              USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+def _bwd_tile(q, k, v, do, lse, delta, offs_m, offs_n, q_seg, q_pos, rule, bias, T, S,
+              LOGITS: tl.constexpr, RULE: tl.constexpr, MASKED: tl.constexpr,
               EVEN_S: tl.constexpr, SAFE: tl.constexpr):
     """One tile of the backward: ``p``, ``ds`` = dL/d(final logit), and the same before
     the cap. ``SAFE``: see ``_rows_not_finite``."""
-    s, t = _logits(q, k, offs_m, offs_n, bias_base, stride_bt, stride_bs, SCALE, SOFT_CAP,
-                   T, S, USE_SOFTCAP, HAS_BIAS, DOT_PRECISION)
-    visible = _visible(offs_m, offs_n, q_seg, q_pos, ids_base, stride_kind, mask_base,
-                       window_left, window_right, window2_left, window2_right, T, S,
-                       MASKED, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK,
-                       CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2)
+    USE_SOFTCAP: tl.constexpr = LOGITS[2]
+    DOT_PRECISION: tl.constexpr = LOGITS[4]
+    s, t = _logits(q, k, offs_m, offs_n, bias, T, S, LOGITS)
+    visible = _visible(offs_m, offs_n, q_seg, q_pos, rule, T, S, MASKED, RULE)
     p = tl.exp2(s - lse[:, None])
     if MASKED or not EVEN_S:  # full tiles of an even length: every pair is visible
         p = tl.where(visible, p, 0.0)
@@ -564,29 +586,28 @@ def _bwd_q_side(q_ptr, do_ptr, lse_ptr, delta_ptr, ids_base, stride_kind, i_bh64
 
 
 @triton.jit
-def _dkv_tiles(dk, dv, k, v, offs_n, list_ptr, count, n_blocks, i_bh64, q_ptr, do_ptr, lse_ptr,
-               delta_ptr, ids_base, stride_kind, mask_base, bias_base, stride_bt, stride_bs,
-               window_left, window_right, window2_left, window2_right, T, S,
-               SCALE: tl.constexpr, SOFT_CAP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-               BD: tl.constexpr, BDV: tl.constexpr, BQ: tl.constexpr, MASKED: tl.constexpr,
-               HAS_SEGMENTS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-               HAS_TOKEN_MASK: tl.constexpr, CLAUSE2: tl.constexpr, HAS_SEGMENTS2: tl.constexpr,
-               IS_CAUSAL2: tl.constexpr, HAS_WINDOW2: tl.constexpr, HAS_BIAS: tl.constexpr,
-               USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_S: tl.constexpr,
-               SAFE: tl.constexpr):
-    """Accumulate dK, dV of one key block over ``count`` query blocks read from ``list_ptr``."""
+def _dkv_tiles(dk, dv, k, v, offs_n, list_ptr, count, n_blocks, i_bh64, q_side, rule, bias, T,
+               S, LOGITS: tl.constexpr, RULE: tl.constexpr, SHAPE: tl.constexpr,
+               MASKED: tl.constexpr, SAFE: tl.constexpr):
+    """Accumulate dK, dV of one key block over ``count`` query blocks read from ``list_ptr``.
+    ``q_side``: q, do, lse, delta."""
+    q_ptr, do_ptr, lse_ptr, delta_ptr = q_side
+    ids_base, stride_kind = rule[0], rule[1]  # (the rest goes on to _visible)
+    DOT_PRECISION: tl.constexpr = LOGITS[4]
+    D: tl.constexpr = SHAPE[2]
+    DV: tl.constexpr = SHAPE[3]
+    BD: tl.constexpr = SHAPE[4]
+    BDV: tl.constexpr = SHAPE[5]
+    BQ: tl.constexpr = SHAPE[6]
+    EVEN_S: tl.constexpr = SHAPE[8]
     for i in range(count):
         qb = _clamp(tl.load(list_ptr + i), n_blocks - 1)
         offs_m = qb * BQ + tl.arange(0, BQ)
         q, do, lse, delta, q_seg, q_pos = _bwd_q_side(
-            q_ptr, do_ptr, lse_ptr, delta_ptr, ids_base, stride_kind, i_bh64, offs_m, T, D, DV, BD,
-            BDV, HAS_SEGMENTS, IS_CAUSAL or HAS_WINDOW)
-        p, _, ds = _bwd_tile(q, k, v, do, lse, delta, offs_m, offs_n, q_seg, q_pos, ids_base,
-                             stride_kind, mask_base, bias_base, stride_bt, stride_bs, window_left,
-                             window_right, window2_left, window2_right, T, S, SCALE, SOFT_CAP,
-                             MASKED, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2,
-                             HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP,
-                             DOT_PRECISION, EVEN_S, SAFE)
+            q_ptr, do_ptr, lse_ptr, delta_ptr, ids_base, stride_kind, i_bh64, offs_m, T, D, DV,
+            BD, BDV, RULE[0], RULE[1] or RULE[2])
+        p, _, ds = _bwd_tile(q, k, v, do, lse, delta, offs_m, offs_n, q_seg, q_pos, rule, bias,
+                             T, S, LOGITS, RULE, MASKED, EVEN_S, SAFE)
         dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PRECISION)
         if SAFE:  # a NaN q row that cannot see this key block must not reach dK as 0 * NaN
             q = tl.where(_finite(q), q, tl.zeros_like(q))  # (rows that see it reach dK by ds)
@@ -595,22 +616,22 @@ def _dkv_tiles(dk, dv, k, v, offs_n, list_ptr, count, n_blocks, i_bh64, q_ptr, d
 
 
 @triton.jit
-def _dkv_heads(k, v, offs_n, i_b, i_kvh, i_n, q_ptr, do_ptr, lse_ptr, delta_ptr, ids_base,
-               token_mask_ptr, bias_ptr, t_partial_count_ptr, t_partial_index_ptr,
-               t_full_count_ptr, t_full_index_ptr, window_left, window_right,
-               window2_left, window2_right, T, S, n_q_blocks, n_kv_blocks, stride_kind,
-               stride_mask_b, stride_mask_h, stride_bb, stride_bh, stride_bt, stride_bs,
-               stride_bm_b, stride_bm_h, SCALE: tl.constexpr, SOFT_CAP: tl.constexpr,
-               H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-               BD: tl.constexpr, BDV: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,
-               HAS_SEGMENTS: tl.constexpr, IS_CAUSAL: tl.constexpr,
-               HAS_WINDOW: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr,
-               CLAUSE2: tl.constexpr, HAS_SEGMENTS2: tl.constexpr,
-               IS_CAUSAL2: tl.constexpr, HAS_WINDOW2: tl.constexpr,
-               HAS_BIAS: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-               DOT_PRECISION: tl.constexpr, EVEN_S: tl.constexpr, SAFE: tl.constexpr):
+def _dkv_heads(k, v, offs_n, i_b, i_kvh, i_n, ids_base, q_side, rule, bias, lists, sizes,
+               LOGITS: tl.constexpr, RULE: tl.constexpr, SHAPE: tl.constexpr,
+               SAFE: tl.constexpr):
     """dK, dV of one key block over the query heads it serves: partial tiles, then full
     ones."""
+    _, token_mask_ptr, _, stride_kind, stride_mask_b, stride_mask_h, window_left, \
+        window_right, window2_left, window2_right = rule
+    bias_ptr, stride_bb, stride_bh, stride_bt, stride_bs = bias
+    t_partial_count_ptr, t_partial_index_ptr, t_full_count_ptr, t_full_index_ptr, \
+        stride_bm_b, stride_bm_h = lists
+    T, S, n_q_blocks, n_kv_blocks = sizes
+    H: tl.constexpr = SHAPE[0]
+    G: tl.constexpr = SHAPE[1]
+    BD: tl.constexpr = SHAPE[4]
+    BDV: tl.constexpr = SHAPE[5]
+    BK: tl.constexpr = SHAPE[7]
     dk = tl.zeros([BK, BD], tl.float32)
     dv = tl.zeros([BK, BDV], tl.float32)
     for g in range(G):  # the query heads this key/value head serves
@@ -619,51 +640,39 @@ def _dkv_heads(k, v, offs_n, i_b, i_kvh, i_n, q_ptr, do_ptr, lse_ptr, delta_ptr,
         mask_base = (token_mask_ptr + i_b.to(tl.int64) * stride_mask_b
                      + i_h.to(tl.int64) * stride_mask_h)
         bias_base = bias_ptr + i_b.to(tl.int64) * stride_bb + i_h.to(tl.int64) * stride_bh
+        tile_rule = (ids_base, stride_kind, mask_base, window_left, window_right,
+                     window2_left, window2_right)
+        tile_bias = (bias_base, stride_bt, stride_bs)
         col = (i_b * stride_bm_b + i_h * stride_bm_h) * n_kv_blocks + i_n
         n_partial = _clamp(tl.load(t_partial_count_ptr + col), n_q_blocks)
         n_full = _clamp(tl.load(t_full_count_ptr + col), n_q_blocks)
         dk, dv = _dkv_tiles(
             dk, dv, k, v, offs_n, t_partial_index_ptr + col.to(tl.int64) * n_q_blocks,
-            n_partial, n_q_blocks, i_bh64, q_ptr, do_ptr, lse_ptr, delta_ptr, ids_base,
-            stride_kind, mask_base, bias_base, stride_bt, stride_bs, window_left,
-            window_right, window2_left, window2_right, T, S, SCALE, SOFT_CAP, D, DV, BD,
-            BDV, BQ, True, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2,
-            HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP, DOT_PRECISION,
-            EVEN_S, SAFE)
+            n_partial, n_q_blocks, i_bh64, q_side, tile_rule, tile_bias, T, S, LOGITS,
+            RULE, SHAPE, True, SAFE)
         dk, dv = _dkv_tiles(
             dk, dv, k, v, offs_n, t_full_index_ptr + col.to(tl.int64) * n_q_blocks,
-            n_full, n_q_blocks, i_bh64, q_ptr, do_ptr, lse_ptr, delta_ptr, ids_base,
-            stride_kind, mask_base, bias_base, stride_bt, stride_bs, window_left,
-            window_right, window2_left, window2_right, T, S, SCALE, SOFT_CAP, D, DV, BD,
-            BDV, BQ, False, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2,
-            HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP, DOT_PRECISION,
-            EVEN_S, False)
+            n_full, n_q_blocks, i_bh64, q_side, tile_rule, tile_bias, T, S, LOGITS,
+            RULE, SHAPE, False, False)
     return dk, dv
 
 
 @triton.jit
-def _dkv_program(
-    i_n, i_bkv,  # this program: key block, (batch, key/value head)
-    # inputs
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, ids_ptr, token_mask_ptr, bias_ptr,
-    t_partial_count_ptr, t_partial_index_ptr, t_full_count_ptr, t_full_index_ptr,
-    # scalars
-    window_left, window_right, window2_left, window2_right, T, S, n_q_blocks, n_kv_blocks,
-    stride_ids_b, stride_kind, stride_mask_b, stride_mask_h, stride_bb, stride_bh,
-    stride_bt, stride_bs, stride_bm_b, stride_bm_h,
-    # outputs
-    dk_ptr, dv_ptr,
-    # shapes and features
-    SCALE: tl.constexpr, SOFT_CAP: tl.constexpr, H: tl.constexpr, G: tl.constexpr,
-    D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
-    BQ: tl.constexpr, BK: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr,
-    CLAUSE2: tl.constexpr,
-    HAS_SEGMENTS2: tl.constexpr, IS_CAUSAL2: tl.constexpr, HAS_WINDOW2: tl.constexpr,
-    HAS_BIAS: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    EVEN_S: tl.constexpr, SAFE: tl.constexpr,
-):
-    """One key block of one key/value head: ``dk`` and ``dv`` stored; ``dk`` returned."""
+def _dkv_program(i_n, i_bkv, tensors, rule, bias, lists, sizes, LOGITS: tl.constexpr,
+                 RULE: tl.constexpr, SHAPE: tl.constexpr, SAFE: tl.constexpr):
+    """One key block ``i_n`` of one (batch, key/value head) ``i_bkv``: ``dk`` and ``dv``
+    stored; ``dk`` returned. ``tensors``: q, k, v, do, lse, delta, dk, dv; ``lists``: the
+    transposed ones (per key block, the query blocks)."""
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr = tensors
+    T, S, n_q_blocks, n_kv_blocks = sizes
+    SCALE: tl.constexpr = LOGITS[0]
+    H: tl.constexpr = SHAPE[0]
+    G: tl.constexpr = SHAPE[1]
+    D: tl.constexpr = SHAPE[2]
+    DV: tl.constexpr = SHAPE[3]
+    BD: tl.constexpr = SHAPE[4]
+    BDV: tl.constexpr = SHAPE[5]
+    BK: tl.constexpr = SHAPE[7]
     H_KV: tl.constexpr = H // G
     i_b, i_kvh = i_bkv // H_KV, i_bkv % H_KV
     i_bkv64 = i_bkv.to(tl.int64)
@@ -675,16 +684,10 @@ def _dkv_program(
                 mask=in_kv[:, None] & (offs_d < D)[None, :], other=0.0)
     v = tl.load(v_ptr + i_bkv64 * S * DV + offs_n[:, None] * DV + offs_dv[None, :],
                 mask=in_kv[:, None] & (offs_dv < DV)[None, :], other=0.0)
-    ids_base = ids_ptr + i_b * stride_ids_b
-    dk, dv = _dkv_heads(
-        k, v, offs_n, i_b, i_kvh, i_n, q_ptr, do_ptr, lse_ptr, delta_ptr, ids_base,
-        token_mask_ptr, bias_ptr, t_partial_count_ptr, t_partial_index_ptr,
-        t_full_count_ptr, t_full_index_ptr, window_left, window_right, window2_left,
-        window2_right, T, S, n_q_blocks, n_kv_blocks, stride_kind, stride_mask_b,
-        stride_mask_h, stride_bb, stride_bh, stride_bt, stride_bs, stride_bm_b,
-        stride_bm_h, SCALE, SOFT_CAP, H, G, D, DV, BD, BDV, BQ, BK, HAS_SEGMENTS,
-        IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2,
-        HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP, DOT_PRECISION, EVEN_S, SAFE)
+    ids_base = rule[0] + i_b * rule[2]  # this batch row's ids (ids_ptr, stride_ids_b)
+    dk, dv = _dkv_heads(k, v, offs_n, i_b, i_kvh, i_n, ids_base,
+                        (q_ptr, do_ptr, lse_ptr, delta_ptr), rule, bias, lists, sizes,
+                        LOGITS, RULE, SHAPE, SAFE)
     kv_rows = in_kv[:, None]
     tl.store(dk_ptr + i_bkv64 * S * D + offs_n[:, None] * D + offs_d[None, :],
              (dk * SCALE).to(dk_ptr.dtype.element_ty),
@@ -717,53 +720,37 @@ def _attention_dkv_kernel(
     EVEN_S: tl.constexpr, OPTIMISTIC: tl.constexpr, RETRY: tl.constexpr,
     SCAN: tl.constexpr, ROWS: tl.constexpr,
 ):
-    # Program p of the first launch is (p % n_kv_blocks, p // n_kv_blocks); see _launch. A
-    # retry takes all query heads again, from zero: a copy of dK kept for a rerun of one
-    # head's partial tiles held registers and cost 5 % of a forward + backward (H100).
-    if RETRY:  # programs SCAN * pid ... of the first launch: one load, and rarely more
-        first = tl.program_id(0) * SCAN
-        if _flagged(retry_ptr, first, n_programs, SCAN, ROWS):
-            for p in range(first, first + SCAN):
-                if _flagged(retry_ptr, p, n_programs, 1, ROWS):
-                    _dkv_program(
-                        p % n_kv_blocks, p // n_kv_blocks, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr,
-                        delta_ptr, ids_ptr, token_mask_ptr, bias_ptr, t_partial_count_ptr,
-                        t_partial_index_ptr, t_full_count_ptr, t_full_index_ptr, window_left,
-                        window_right, window2_left, window2_right, T, S, n_q_blocks,
-                        n_kv_blocks, stride_ids_b, stride_kind, stride_mask_b, stride_mask_h,
-                        stride_bb, stride_bh, stride_bt, stride_bs, stride_bm_b, stride_bm_h,
-                        dk_ptr, dv_ptr, SCALE, SOFT_CAP, H, G, D, DV, BD, BDV, BQ, BK,
-                        HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2,
-                        HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP,
-                        DOT_PRECISION, EVEN_S, True)
-    else:
-        dk = _dkv_program(
-            tl.program_id(0), tl.program_id(1), q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr,
-            delta_ptr, ids_ptr, token_mask_ptr, bias_ptr, t_partial_count_ptr,
-            t_partial_index_ptr, t_full_count_ptr, t_full_index_ptr, window_left,
-            window_right, window2_left, window2_right, T, S, n_q_blocks, n_kv_blocks,
-            stride_ids_b, stride_kind, stride_mask_b, stride_mask_h, stride_bb, stride_bh,
-            stride_bt, stride_bs, stride_bm_b, stride_bm_h, dk_ptr, dv_ptr, SCALE, SOFT_CAP,
-            H, G, D, DV, BD, BDV, BQ, BK, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW,
-            HAS_TOKEN_MASK, CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2, HAS_BIAS,
-            USE_SOFTCAP, DOT_PRECISION, EVEN_S, not OPTIMISTIC)
-        if OPTIMISTIC:  # a flag per row (_rows_not_finite)
-            p = tl.program_id(1) * n_kv_blocks + tl.program_id(0)
-            tl.store(flag_ptr + p * ROWS + tl.arange(0, ROWS), _rows_not_finite(dk))
+    # Key blocks in order (see _walk). A retry takes all query heads again, from zero: a copy
+    # of dK kept for a rerun of one head's partial tiles held registers and cost 5 % of a
+    # forward + backward (H100).
+    _walk(_dkv_program,
+          ((q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr),
+           (ids_ptr, token_mask_ptr, stride_ids_b, stride_kind, stride_mask_b, stride_mask_h,
+            window_left, window_right, window2_left, window2_right),
+           (bias_ptr, stride_bb, stride_bh, stride_bt, stride_bs),
+           (t_partial_count_ptr, t_partial_index_ptr, t_full_count_ptr, t_full_index_ptr,
+            stride_bm_b, stride_bm_h),
+           (T, S, n_q_blocks, n_kv_blocks),
+           (SCALE, SOFT_CAP, USE_SOFTCAP, HAS_BIAS, DOT_PRECISION),
+           (HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2, HAS_SEGMENTS2,
+            IS_CAUSAL2, HAS_WINDOW2),
+           (H, G, D, DV, BD, BDV, BQ, BK, EVEN_S)),
+          n_kv_blocks, n_programs, retry_ptr, flag_ptr, False, OPTIMISTIC, RETRY, SCAN, ROWS)
 
 
 @triton.jit
 def _dq_tiles(dq, q, do, lse, delta, offs_m, q_seg, q_pos, list_ptr, count, n_blocks, k_base,
-              v_base, ids_base, stride_kind, mask_base, bias_base, dbias_base, stride_bt, stride_bs,
-              window_left, window_right, window2_left, window2_right, T, S,
-              SCALE: tl.constexpr, SOFT_CAP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-              BD: tl.constexpr, BDV: tl.constexpr, BK: tl.constexpr, MASKED: tl.constexpr,
-              HAS_SEGMENTS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-              HAS_TOKEN_MASK: tl.constexpr, CLAUSE2: tl.constexpr, HAS_SEGMENTS2: tl.constexpr,
-              IS_CAUSAL2: tl.constexpr, HAS_WINDOW2: tl.constexpr, HAS_BIAS: tl.constexpr,
-              USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_S: tl.constexpr,
-              SAFE: tl.constexpr):
+              v_base, dbias_base, rule, bias, T, S, LOGITS: tl.constexpr, RULE: tl.constexpr,
+              SHAPE: tl.constexpr, MASKED: tl.constexpr, SAFE: tl.constexpr):
     """Accumulate dQ of one query block over ``count`` key blocks (and write dbias tiles)."""
+    HAS_BIAS: tl.constexpr = LOGITS[3]
+    DOT_PRECISION: tl.constexpr = LOGITS[4]
+    D: tl.constexpr = SHAPE[2]
+    DV: tl.constexpr = SHAPE[3]
+    BD: tl.constexpr = SHAPE[4]
+    BDV: tl.constexpr = SHAPE[5]
+    BK: tl.constexpr = SHAPE[7]
+    EVEN_S: tl.constexpr = SHAPE[8]
     offs_d = tl.arange(0, BD)
     offs_dv = tl.arange(0, BDV)
     for i in range(count):
@@ -771,12 +758,8 @@ def _dq_tiles(dq, q, do, lse, delta, offs_m, q_seg, q_pos, list_ptr, count, n_bl
         offs_n = kb * BK + tl.arange(0, BK)
         k = _load_tile(k_base, offs_n, offs_d, S, D, EVEN_S & (D == BD))
         v = _load_tile(v_base, offs_n, offs_dv, S, DV, EVEN_S & (DV == BDV))
-        _, ds, d_raw = _bwd_tile(q, k, v, do, lse, delta, offs_m, offs_n, q_seg, q_pos, ids_base,
-                                 stride_kind, mask_base, bias_base, stride_bt, stride_bs,
-                                 window_left, window_right, window2_left, window2_right, T, S,
-                                 SCALE, SOFT_CAP, MASKED, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW,
-                                 HAS_TOKEN_MASK, CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2,
-                                 HAS_BIAS, USE_SOFTCAP, DOT_PRECISION, EVEN_S, SAFE)
+        _, ds, d_raw = _bwd_tile(q, k, v, do, lse, delta, offs_m, offs_n, q_seg, q_pos, rule,
+                                 bias, T, S, LOGITS, RULE, MASKED, EVEN_S, SAFE)
         if HAS_BIAS:  # dbias is ds itself; [B, H, T, S] fp32, unvisited tiles are zeroed outside
             ptrs = dbias_base + offs_m.to(tl.int64)[:, None] * S + offs_n[None, :]
             tl.store(ptrs, ds, mask=(offs_m < T)[:, None] & (offs_n < S)[None, :])
@@ -787,27 +770,25 @@ def _dq_tiles(dq, q, do, lse, delta, offs_m, q_seg, q_pos, list_ptr, count, n_bl
 
 
 @triton.jit
-def _dq_program(
-    i_m, i_bh,  # this program: query block, (batch, head)
-    # inputs
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, ids_ptr, token_mask_ptr, bias_ptr,
-    partial_count_ptr, partial_index_ptr, full_count_ptr, full_index_ptr,
-    # scalars
-    window_left, window_right, window2_left, window2_right, T, S, n_q_blocks, n_kv_blocks,
-    stride_ids_b, stride_kind, stride_mask_b, stride_mask_h, stride_bb, stride_bh, stride_bt,
-    stride_bs, stride_bm_b, stride_bm_h,
-    # outputs
-    dq_ptr, dbias_ptr,
-    # shapes and features
-    SCALE: tl.constexpr, SOFT_CAP: tl.constexpr, H: tl.constexpr, G: tl.constexpr,
-    D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BQ: tl.constexpr,
-    BK: tl.constexpr, HAS_SEGMENTS: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr, CLAUSE2: tl.constexpr,
-    HAS_SEGMENTS2: tl.constexpr, IS_CAUSAL2: tl.constexpr, HAS_WINDOW2: tl.constexpr,
-    HAS_BIAS: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    EVEN_S: tl.constexpr, SAFE: tl.constexpr,
-):
-    """One query block of one head: ``dq`` (and its ``dbias`` tiles) stored; ``dq`` returned."""
+def _dq_program(i_m, i_bh, tensors, rule, bias, lists, sizes, LOGITS: tl.constexpr,
+                RULE: tl.constexpr, SHAPE: tl.constexpr, SAFE: tl.constexpr):
+    """One query block ``i_m`` of one (batch, head) ``i_bh``: ``dq`` (and its ``dbias`` tiles)
+    stored; ``dq`` returned. ``tensors``: q, k, v, do, lse, delta, dq, dbias."""
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dbias_ptr = tensors
+    ids_ptr, token_mask_ptr, stride_ids_b, stride_kind, stride_mask_b, stride_mask_h, \
+        window_left, window_right, window2_left, window2_right = rule
+    bias_ptr, stride_bb, stride_bh, stride_bt, stride_bs = bias
+    partial_count_ptr, partial_index_ptr, full_count_ptr, full_index_ptr, stride_bm_b, \
+        stride_bm_h = lists
+    T, S, n_q_blocks, n_kv_blocks = sizes
+    SCALE: tl.constexpr = LOGITS[0]
+    H: tl.constexpr = SHAPE[0]
+    G: tl.constexpr = SHAPE[1]
+    D: tl.constexpr = SHAPE[2]
+    DV: tl.constexpr = SHAPE[3]
+    BD: tl.constexpr = SHAPE[4]
+    BDV: tl.constexpr = SHAPE[5]
+    BQ: tl.constexpr = SHAPE[6]
     i_b, i_h = i_bh // H, i_bh % H
     i_bh64 = i_bh.to(tl.int64)
     i_kvh64 = (i_b * (H // G) + i_h // G).to(tl.int64)
@@ -816,30 +797,27 @@ def _dq_program(
     ids_base = ids_ptr + i_b * stride_ids_b
     q, do, lse, delta, q_seg, q_pos = _bwd_q_side(
         q_ptr, do_ptr, lse_ptr, delta_ptr, ids_base, stride_kind, i_bh64, offs_m, T, D, DV, BD,
-        BDV, HAS_SEGMENTS, IS_CAUSAL or HAS_WINDOW)
+        BDV, RULE[0], RULE[1] or RULE[2])
     k_base = k_ptr + i_kvh64 * S * D
     v_base = v_ptr + i_kvh64 * S * DV
     mask_base = token_mask_ptr + i_b.to(tl.int64) * stride_mask_b + i_h.to(tl.int64) * stride_mask_h
     bias_base = bias_ptr + i_b.to(tl.int64) * stride_bb + i_h.to(tl.int64) * stride_bh
     dbias_base = dbias_ptr + i_bh64 * T * S
+    tile_rule = (ids_base, stride_kind, mask_base, window_left, window_right,
+                 window2_left, window2_right)
+    tile_bias = (bias_base, stride_bt, stride_bs)
     dq = tl.zeros([BQ, BD], tl.float32)
     row = (i_b * stride_bm_b + i_h * stride_bm_h) * n_q_blocks + i_m
     n_partial = _clamp(tl.load(partial_count_ptr + row), n_kv_blocks)
     n_full = _clamp(tl.load(full_count_ptr + row), n_kv_blocks)
     dq = _dq_tiles(dq, q, do, lse, delta, offs_m, q_seg, q_pos,
                    partial_index_ptr + row.to(tl.int64) * n_kv_blocks, n_partial, n_kv_blocks,
-                   k_base, v_base, ids_base, stride_kind, mask_base, bias_base, dbias_base,
-                   stride_bt, stride_bs, window_left, window_right, window2_left, window2_right, T,
-                   S, SCALE, SOFT_CAP, D, DV, BD, BDV, BK, True, HAS_SEGMENTS, IS_CAUSAL,
-                   HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2,
-                   HAS_BIAS, USE_SOFTCAP, DOT_PRECISION, EVEN_S, SAFE)
+                   k_base, v_base, dbias_base, tile_rule, tile_bias, T, S, LOGITS, RULE, SHAPE,
+                   True, SAFE)
     dq = _dq_tiles(dq, q, do, lse, delta, offs_m, q_seg, q_pos,
                    full_index_ptr + row.to(tl.int64) * n_kv_blocks, n_full, n_kv_blocks,
-                   k_base, v_base, ids_base, stride_kind, mask_base, bias_base, dbias_base,
-                   stride_bt, stride_bs, window_left, window_right, window2_left, window2_right, T,
-                   S, SCALE, SOFT_CAP, D, DV, BD, BDV, BK, False, HAS_SEGMENTS, IS_CAUSAL,
-                   HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2, HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2,
-                   HAS_BIAS, USE_SOFTCAP, DOT_PRECISION, EVEN_S, False)
+                   k_base, v_base, dbias_base, tile_rule, tile_bias, T, S, LOGITS, RULE, SHAPE,
+                   False, False)
     tl.store(dq_ptr + i_bh64 * T * D + offs_m[:, None] * D + offs_d[None, :],
              (dq * SCALE).to(dq_ptr.dtype.element_ty),
              mask=(offs_m < T)[:, None] & (offs_d < D)[None, :])
@@ -868,38 +846,20 @@ def _attention_dq_kernel(
     EVEN_S: tl.constexpr, OPTIMISTIC: tl.constexpr, RETRY: tl.constexpr,
     SCAN: tl.constexpr, ROWS: tl.constexpr,
 ):
-    # Program p of the first launch is (n_q_blocks - 1 - p % n_q_blocks, p // n_q_blocks), as
-    # in the forward; see _launch.
-    if RETRY:  # programs SCAN * pid ... of the first launch: one load, and rarely more
-        first = tl.program_id(0) * SCAN
-        if _flagged(retry_ptr, first, n_programs, SCAN, ROWS):
-            for p in range(first, first + SCAN):
-                if _flagged(retry_ptr, p, n_programs, 1, ROWS):
-                    _dq_program(
-                        n_q_blocks - 1 - p % n_q_blocks, p // n_q_blocks, q_ptr, k_ptr, v_ptr,
-                        do_ptr, lse_ptr, delta_ptr, ids_ptr, token_mask_ptr, bias_ptr,
-                        partial_count_ptr, partial_index_ptr, full_count_ptr, full_index_ptr,
-                        window_left, window_right, window2_left, window2_right, T, S,
-                        n_q_blocks, n_kv_blocks, stride_ids_b, stride_kind, stride_mask_b,
-                        stride_mask_h, stride_bb, stride_bh, stride_bt, stride_bs, stride_bm_b,
-                        stride_bm_h, dq_ptr, dbias_ptr, SCALE, SOFT_CAP, H, G, D, DV, BD, BDV,
-                        BQ, BK, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2,
-                        HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP,
-                        DOT_PRECISION, EVEN_S, True)
-    else:
-        dq = _dq_program(
-            n_q_blocks - 1 - tl.program_id(0), tl.program_id(1), q_ptr, k_ptr, v_ptr, do_ptr,
-            lse_ptr, delta_ptr, ids_ptr, token_mask_ptr, bias_ptr, partial_count_ptr,
-            partial_index_ptr, full_count_ptr, full_index_ptr, window_left, window_right,
-            window2_left, window2_right, T, S, n_q_blocks, n_kv_blocks, stride_ids_b,
-            stride_kind, stride_mask_b, stride_mask_h, stride_bb, stride_bh, stride_bt,
-            stride_bs, stride_bm_b, stride_bm_h, dq_ptr, dbias_ptr, SCALE, SOFT_CAP, H, G, D,
-            DV, BD, BDV, BQ, BK, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2,
-            HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2, HAS_BIAS, USE_SOFTCAP, DOT_PRECISION,
-            EVEN_S, not OPTIMISTIC)
-        if OPTIMISTIC:  # a flag per row (_rows_not_finite)
-            p = tl.program_id(1) * n_q_blocks + tl.program_id(0)
-            tl.store(flag_ptr + p * ROWS + tl.arange(0, ROWS), _rows_not_finite(dq))
+    # Query blocks in reverse order, as in the forward (see _walk).
+    _walk(_dq_program,
+          ((q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dbias_ptr),
+           (ids_ptr, token_mask_ptr, stride_ids_b, stride_kind, stride_mask_b, stride_mask_h,
+            window_left, window_right, window2_left, window2_right),
+           (bias_ptr, stride_bb, stride_bh, stride_bt, stride_bs),
+           (partial_count_ptr, partial_index_ptr, full_count_ptr, full_index_ptr, stride_bm_b,
+            stride_bm_h),
+           (T, S, n_q_blocks, n_kv_blocks),
+           (SCALE, SOFT_CAP, USE_SOFTCAP, HAS_BIAS, DOT_PRECISION),
+           (HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2, HAS_SEGMENTS2,
+            IS_CAUSAL2, HAS_WINDOW2),
+           (H, G, D, DV, BD, BDV, BQ, BK, EVEN_S)),
+          n_q_blocks, n_programs, retry_ptr, flag_ptr, True, OPTIMISTIC, RETRY, SCAN, ROWS)
 
 
 # ----------------------------------------------------------------------------------------------
