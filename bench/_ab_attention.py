@@ -6,12 +6,14 @@ of the package (``ejk_new``, ``ejk_old``, ...), and the timings are interleaved:
 each timing every (version, mask, direction) once (10 samples, device time); the median of the
 round medians is reported, with the spread of the rounds.
 
-    here:    python bench/_ab_attention.py prepare .scratch/ab     # the copies, from git
+    here:    python bench/_ab_attention.py prepare .scratch/ab [--base REV]   # the copies
     GPU:     python bench/_ab_attention.py run .scratch/ab --out bench/results   # -> ab_attention.json
 
 The versions: ``new``, the working tree; ``old``, 139f93b (before issue 17's safety work);
 ``fast``, the working tree without the NaN containment's retry launch (``_launch`` returns after the
-first launch: flags written and never read): a lower bound for the design, wrong on NaN inputs, timed to show what the containment costs.
+first launch: flags written and never read): a lower bound for the design, wrong on NaN inputs,
+timed to show what the containment costs; ``base`` (with ``--base REV``), the package at REV, to
+time one change against the commit before it. ``--versions`` picks which of them run.
 Every version's output and gradients are compared with ``new``'s at every timed configuration;
 the run fails past a relative difference of 1e-2 (bf16).
 """
@@ -46,22 +48,38 @@ def _copy(src: pathlib.Path, dest: pathlib.Path, name: str, edits=()) -> None:
         f.write_text(text)
 
 
-def prepare(dest: pathlib.Path) -> None:
+def _copy_rev(root: pathlib.Path, rev: str, dest: pathlib.Path, name: str) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        archive = subprocess.run(["git", "-C", str(root), "archive", rev, "ejk_lite"],
+                                 check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+        _copy(pathlib.Path(tmp) / "ejk_lite", dest, name)
+
+
+def _rev(root: pathlib.Path, rev: str) -> str:
+    return subprocess.run(["git", "-C", str(root), "rev-parse", rev], capture_output=True,
+                          text=True, check=True).stdout.strip()
+
+
+def prepare(dest: pathlib.Path, base: str | None) -> None:
     root = pathlib.Path(__file__).resolve().parent.parent
     dest.mkdir(parents=True, exist_ok=True)
     _copy(root / "ejk_lite", dest, "ejk_new")
     _copy(root / "ejk_lite", dest, "ejk_fast", CONTAINMENT)
-    with tempfile.TemporaryDirectory() as tmp:
-        archive = subprocess.run(["git", "-C", str(root), "archive", OLD, "ejk_lite"],
-                                 check=True, capture_output=True).stdout
-        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
-        _copy(pathlib.Path(tmp) / "ejk_lite", dest, "ejk_old")
-    (dest / "COMMIT").write_text(subprocess.run(
-        ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True).stdout)
+    _copy_rev(root, OLD, dest, "ejk_old")
+    (dest / "COMMIT").write_text(_rev(root, "HEAD"))
+    dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "ejk_lite"],
+                           capture_output=True, text=True, check=True).stdout.strip()
+    (dest / "DIRTY").unlink(missing_ok=True)
+    if dirty:  # new is the working tree: say so in the record
+        (dest / "DIRTY").write_text(dirty)
+    if base:
+        _copy_rev(root, base, dest, "ejk_base")
+        (dest / "BASE").write_text(_rev(root, base))
     print("prepared", sorted(p.name for p in dest.iterdir()))
 
 
-def run(src: pathlib.Path, out: str | None, reps: int) -> None:
+def run(src: pathlib.Path, out: str | None, reps: int, versions: str) -> None:
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
     sys.path.insert(0, str(src))
     import common
@@ -70,7 +88,9 @@ def run(src: pathlib.Path, out: str | None, reps: int) -> None:
     import numpy as np
 
     start = time.perf_counter()
-    names = ("new", "fast", "old")
+    names = tuple(versions.split(","))
+    if names[0] != "new":
+        raise SystemExit("--versions must start with new (every version is checked against it)")
     mods = {n: importlib.import_module("ejk_" + n) for n in names}
     rng = np.random.default_rng(0)
     B, H, T, D = 4, 16, 8192, 128
@@ -101,6 +121,10 @@ def run(src: pathlib.Path, out: str | None, reps: int) -> None:
           flush=True)
     if not worst <= 1e-2:
         raise SystemExit(f"versions disagree: {worst}")
+    described = {"new": (src / "COMMIT").read_text().strip()
+                 + (" + uncommitted changes" if (src / "DIRTY").exists() else ""),
+                 "fast": "new without the retry launch", "old": OLD,
+                 "base": (src / "BASE").read_text().strip() if (src / "BASE").exists() else ""}
     rounds = {key: [] for key in fns}
     for done in range(1, reps + 1):  # the file is rewritten after every round: a run cut short
         for key, f in fns.items():   # by a time limit keeps the rounds it finished
@@ -118,8 +142,7 @@ def run(src: pathlib.Path, out: str | None, reps: int) -> None:
         for row, cells in table.items():
             print(f"  {row:22s}", "  ".join(f"{n} {c['median_ms']:.3f}" for n, c in cells.items()))
         record = {"shape": dict(B=B, H=H, T=T, D=D), "dtype": "bfloat16",
-                  "versions": {"new": (src / "COMMIT").read_text().strip(),
-                               "fast": "new without the retry launch", "old": OLD},
+                  "versions": {n: described[n] for n in names},
                   "rounds": done, "samples_per_round": 10, "largest_relative_difference": worst,
                   "median_of_round_medians": table}
         if out:
@@ -132,6 +155,11 @@ if __name__ == "__main__":
     parser.add_argument("dir")
     parser.add_argument("--out")
     parser.add_argument("--reps", type=int, default=8)
+    parser.add_argument("--base", help="prepare: also the package at this revision, as 'base'")
+    parser.add_argument("--versions", default="new,fast,old",
+                        help="run: which versions, new first (new, fast, old, base)")
     args = parser.parse_args()
-    prepare(pathlib.Path(args.dir)) if args.what == "prepare" else run(pathlib.Path(args.dir),
-                                                                        args.out, args.reps)
+    if args.what == "prepare":
+        prepare(pathlib.Path(args.dir), args.base)
+    else:
+        run(pathlib.Path(args.dir), args.out, args.reps, args.versions)

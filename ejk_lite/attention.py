@@ -169,6 +169,18 @@ def _clamp(x, n):
 
 
 @triton.jit
+def _in_bounds(offs, n, EVEN: tl.constexpr):
+    """``offs < n``, or all true if ``EVEN``: ``n`` is a multiple of the block and the block
+    index was clamped (``_clamp``), so no offset passes ``n``. Then the compiler drops the
+    compares and the masks of the loads they guard (fewer instructions and registers per tile
+    in the loops)."""
+    inside = offs < n
+    if EVEN:
+        inside = tl.full(offs.shape, True, tl.int1)
+    return inside
+
+
+@triton.jit
 def _finite(x):
     """Where ``x`` is finite: ``x - x`` is exactly 0 for a finite ``x``, NaN for inf and NaN."""
     return (x - x) == 0
@@ -219,7 +231,7 @@ def _flagged(flag_ptr, first, n_programs, COUNT: tl.constexpr, ROWS: tl.constexp
 #   LOGITS  constexpr (SCALE, SOFT_CAP, USE_SOFTCAP, HAS_BIAS, DOT_PRECISION)
 #   RULE    constexpr (HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2,
 #           HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2)
-#   SHAPE   constexpr (H, G, D, DV, BD, BDV, BQ, BK, EVEN_S)
+#   SHAPE   constexpr (H, G, D, DV, BD, BDV, BQ, BK, EVEN_S, EVEN_T)
 
 
 @triton.jit
@@ -264,9 +276,9 @@ def _load_tile(base, offs_r, offs_c, n_rows, N_COLS: tl.constexpr, EVEN: tl.cons
 
 @triton.jit
 def _q_ids(ids_base, stride_kind, offs_m, T, HAS_SEGMENTS: tl.constexpr,
-           USE_POSITIONS: tl.constexpr):
+           USE_POSITIONS: tl.constexpr, EVEN_T: tl.constexpr):
     """A query block's segment ids and positions in one clause (``offs_m`` where not needed)."""
-    in_q = offs_m < T
+    in_q = _in_bounds(offs_m, T, EVEN_T)
     q_seg = offs_m
     q_pos = offs_m
     if HAS_SEGMENTS:
@@ -296,12 +308,13 @@ def _clause(visible, q_seg, q_pos, ids_base, stride_kind, offs_n, in_kv, window_
 
 @triton.jit
 def _visible(offs_m, offs_n, q_seg, q_pos, rule, T, S, MASKED: tl.constexpr,
-             RULE: tl.constexpr):
+             RULE: tl.constexpr, EVEN_T: tl.constexpr, EVEN_S: tl.constexpr):
     """Which pairs of a tile are visible: in range, and (in partial tiles) the token rule holds:
     its first clause (``q_seg``, ``q_pos`` are the query block's ids in it, and the token mask
     belongs to it), joined by and (``CLAUSE2 == 1``) or or (2) to a second one if there is one.
     Rows past T see nothing: in the backward a NaN must not reach dK through a padding row.
-    ``rule``: this batch row's ids, their stride, this head's token mask, the two windows."""
+    ``rule``: this batch row's ids, their stride, this head's token mask, the two windows.
+    ``EVEN_T``, ``EVEN_S``: no row, no column past the end (see ``_in_bounds``)."""
     ids_base, stride_kind, mask_base, window_left, window_right, window2_left, \
         window2_right = rule
     HAS_SEGMENTS: tl.constexpr = RULE[0]
@@ -312,8 +325,8 @@ def _visible(offs_m, offs_n, q_seg, q_pos, rule, T, S, MASKED: tl.constexpr,
     HAS_SEGMENTS2: tl.constexpr = RULE[5]
     IS_CAUSAL2: tl.constexpr = RULE[6]
     HAS_WINDOW2: tl.constexpr = RULE[7]
-    in_kv = offs_n < S
-    in_range = (offs_m < T)[:, None] & in_kv[None, :]
+    in_kv = _in_bounds(offs_n, S, EVEN_S)
+    in_range = _in_bounds(offs_m, T, EVEN_T)[:, None] & in_kv[None, :]
     visible = in_range
     if MASKED:
         visible = _clause(in_range, q_seg, q_pos, ids_base, stride_kind, offs_n, in_kv,
@@ -324,7 +337,7 @@ def _visible(offs_m, offs_n, q_seg, q_pos, rule, T, S, MASKED: tl.constexpr,
         if CLAUSE2 != 0:  # the second clause's ids: four arrays further
             ids2_base = ids_base + 4 * stride_kind
             q_seg2, q_pos2 = _q_ids(ids2_base, stride_kind, offs_m, T, HAS_SEGMENTS2,
-                                    IS_CAUSAL2 or HAS_WINDOW2)
+                                    IS_CAUSAL2 or HAS_WINDOW2, EVEN_T)
             second = _clause(in_range, q_seg2, q_pos2, ids2_base, stride_kind, offs_n, in_kv,
                              window2_left, window2_right, HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2)
             if CLAUSE2 == 1:
@@ -348,6 +361,7 @@ def _fwd_tiles(acc, m_i, l_i, q, offs_m, q_seg, q_pos, list_ptr, count, n_blocks
     BDV: tl.constexpr = SHAPE[5]
     BK: tl.constexpr = SHAPE[7]
     EVEN_S: tl.constexpr = SHAPE[8]
+    EVEN_T: tl.constexpr = SHAPE[9]
     offs_d = tl.arange(0, BD)
     offs_dv = tl.arange(0, BDV)
     for i in range(count):
@@ -356,7 +370,8 @@ def _fwd_tiles(acc, m_i, l_i, q, offs_m, q_seg, q_pos, list_ptr, count, n_blocks
         k = _load_tile(k_base, offs_n, offs_d, S, D, EVEN_S & (D == BD))
         v = _load_tile(v_base, offs_n, offs_dv, S, DV, EVEN_S & (DV == BDV))
         s, _ = _logits(q, k, offs_m, offs_n, bias, T, S, LOGITS)
-        visible = _visible(offs_m, offs_n, q_seg, q_pos, rule, T, S, MASKED, RULE)
+        visible = _visible(offs_m, offs_n, q_seg, q_pos, rule, T, S, MASKED, RULE, EVEN_T,
+                           EVEN_S)
         if MASKED or not EVEN_S:  # full tiles of an even length: every pair is visible
             s = tl.where(visible, s, float("-inf"))
         if SAFE:
@@ -402,22 +417,23 @@ def _fwd_program(i_m, i_bh, tensors, rule, bias, lists, sizes, LOGITS: tl.conste
     BD: tl.constexpr = SHAPE[4]
     BDV: tl.constexpr = SHAPE[5]
     BQ: tl.constexpr = SHAPE[6]
+    EVEN_T: tl.constexpr = SHAPE[9]
     i_b, i_h = i_bh // H, i_bh % H
     i_bh64 = i_bh.to(tl.int64)
     i_kvh64 = (i_b * (H // G) + i_h // G).to(tl.int64)
     offs_m = i_m * BQ + tl.arange(0, BQ)
     offs_d = tl.arange(0, BD)
     offs_dv = tl.arange(0, BDV)
-    in_q = offs_m < T
+    in_q = _in_bounds(offs_m, T, EVEN_T)
 
     q_base = q_ptr + i_bh64 * T * D
     k_base = k_ptr + i_kvh64 * S * D
     v_base = v_ptr + i_kvh64 * S * DV
-    q = tl.load(q_base + offs_m[:, None] * D + offs_d[None, :],
-                mask=in_q[:, None] & (offs_d < D)[None, :], other=0.0)
+    q = _load_tile(q_base, offs_m, offs_d, T, D, EVEN_T & (D == BD))
     ids_base = ids_ptr + i_b * stride_ids_b
     # (HAS_SEGMENTS; IS_CAUSAL or HAS_WINDOW: whether the rule reads segments, positions)
-    q_seg, q_pos = _q_ids(ids_base, stride_kind, offs_m, T, RULE[0], RULE[1] or RULE[2])
+    q_seg, q_pos = _q_ids(ids_base, stride_kind, offs_m, T, RULE[0], RULE[1] or RULE[2],
+                          EVEN_T)
     mask_base = (token_mask_ptr + i_b.to(tl.int64) * stride_mask_b
                  + i_h.to(tl.int64) * stride_mask_h)
     bias_base = bias_ptr + i_b.to(tl.int64) * stride_bb + i_h.to(tl.int64) * stride_bh
@@ -516,7 +532,8 @@ def _attention_fwd_kernel(
     CLAUSE2: tl.constexpr, HAS_SEGMENTS2: tl.constexpr, IS_CAUSAL2: tl.constexpr,
     HAS_WINDOW2: tl.constexpr, HAS_BIAS: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, EVEN_S: tl.constexpr, OPTIMISTIC: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, EVEN_S: tl.constexpr, EVEN_T: tl.constexpr,
+    OPTIMISTIC: tl.constexpr,
     RETRY: tl.constexpr, SCAN: tl.constexpr, ROWS: tl.constexpr,
 ):
     # The parameters stay flat here: they are what triton_call passes (arrays, numbers,
@@ -532,20 +549,21 @@ def _attention_fwd_kernel(
            (SCALE, SOFT_CAP, USE_SOFTCAP, HAS_BIAS, DOT_PRECISION),
            (HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2, HAS_SEGMENTS2,
             IS_CAUSAL2, HAS_WINDOW2),
-           (H, G, D, DV, BD, BDV, BQ, BK, EVEN_S), HAS_SINKS),
+           (H, G, D, DV, BD, BDV, BQ, BK, EVEN_S, EVEN_T), HAS_SINKS),
           n_q_blocks, n_programs, retry_ptr, flag_ptr, True, OPTIMISTIC, RETRY, SCAN, ROWS)
 
 
 @triton.jit
 def _bwd_tile(q, k, v, do, lse, delta, offs_m, offs_n, q_seg, q_pos, rule, bias, T, S,
               LOGITS: tl.constexpr, RULE: tl.constexpr, MASKED: tl.constexpr,
-              EVEN_S: tl.constexpr, SAFE: tl.constexpr):
+              EVEN_T: tl.constexpr, EVEN_S: tl.constexpr, SAFE: tl.constexpr):
     """One tile of the backward: ``p``, ``ds`` = dL/d(final logit), and the same before
     the cap. ``SAFE``: see ``_rows_not_finite``."""
     USE_SOFTCAP: tl.constexpr = LOGITS[2]
     DOT_PRECISION: tl.constexpr = LOGITS[4]
     s, t = _logits(q, k, offs_m, offs_n, bias, T, S, LOGITS)
-    visible = _visible(offs_m, offs_n, q_seg, q_pos, rule, T, S, MASKED, RULE)
+    visible = _visible(offs_m, offs_n, q_seg, q_pos, rule, T, S, MASKED, RULE, EVEN_T,
+                       EVEN_S)
     p = tl.exp2(s - lse[:, None])
     if MASKED or not EVEN_S:  # full tiles of an even length: every pair is visible
         p = tl.where(visible, p, 0.0)
@@ -569,19 +587,20 @@ def _bwd_tile(q, k, v, do, lse, delta, offs_m, offs_n, q_seg, q_pos, rule, bias,
 
 @triton.jit
 def _bwd_q_side(q_ptr, do_ptr, lse_ptr, delta_ptr, ids_base, stride_kind, i_bh64, offs_m, T,
-                D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
-                HAS_SEGMENTS: tl.constexpr, USE_POSITIONS: tl.constexpr):
+                SHAPE: tl.constexpr, HAS_SEGMENTS: tl.constexpr, USE_POSITIONS: tl.constexpr):
     """Load a query block's q, do, lse, delta and token ids (rows past T: zeros and lse = +inf)."""
-    offs_d = tl.arange(0, BD)
-    offs_dv = tl.arange(0, BDV)
-    in_q = offs_m < T
-    q = tl.load(q_ptr + i_bh64 * T * D + offs_m[:, None] * D + offs_d[None, :],
-                mask=in_q[:, None] & (offs_d < D)[None, :], other=0.0)
-    do = tl.load(do_ptr + i_bh64 * T * DV + offs_m[:, None] * DV + offs_dv[None, :],
-                 mask=in_q[:, None] & (offs_dv < DV)[None, :], other=0.0)
+    D: tl.constexpr = SHAPE[2]
+    DV: tl.constexpr = SHAPE[3]
+    BD: tl.constexpr = SHAPE[4]
+    BDV: tl.constexpr = SHAPE[5]
+    EVEN_T: tl.constexpr = SHAPE[9]
+    in_q = _in_bounds(offs_m, T, EVEN_T)
+    q = _load_tile(q_ptr + i_bh64 * T * D, offs_m, tl.arange(0, BD), T, D, EVEN_T & (D == BD))
+    do = _load_tile(do_ptr + i_bh64 * T * DV, offs_m, tl.arange(0, BDV), T, DV,
+                    EVEN_T & (DV == BDV))
     lse = tl.load(lse_ptr + i_bh64 * T + offs_m, mask=in_q, other=float("inf"))
     delta = tl.load(delta_ptr + i_bh64 * T + offs_m, mask=in_q, other=0.0)
-    q_seg, q_pos = _q_ids(ids_base, stride_kind, offs_m, T, HAS_SEGMENTS, USE_POSITIONS)
+    q_seg, q_pos = _q_ids(ids_base, stride_kind, offs_m, T, HAS_SEGMENTS, USE_POSITIONS, EVEN_T)
     return q, do, lse, delta, q_seg, q_pos
 
 
@@ -594,20 +613,17 @@ def _dkv_tiles(dk, dv, k, v, offs_n, list_ptr, count, n_blocks, i_bh64, q_side, 
     q_ptr, do_ptr, lse_ptr, delta_ptr = q_side
     ids_base, stride_kind = rule[0], rule[1]  # (the rest goes on to _visible)
     DOT_PRECISION: tl.constexpr = LOGITS[4]
-    D: tl.constexpr = SHAPE[2]
-    DV: tl.constexpr = SHAPE[3]
-    BD: tl.constexpr = SHAPE[4]
-    BDV: tl.constexpr = SHAPE[5]
     BQ: tl.constexpr = SHAPE[6]
     EVEN_S: tl.constexpr = SHAPE[8]
+    EVEN_T: tl.constexpr = SHAPE[9]
     for i in range(count):
         qb = _clamp(tl.load(list_ptr + i), n_blocks - 1)
         offs_m = qb * BQ + tl.arange(0, BQ)
         q, do, lse, delta, q_seg, q_pos = _bwd_q_side(
-            q_ptr, do_ptr, lse_ptr, delta_ptr, ids_base, stride_kind, i_bh64, offs_m, T, D, DV,
-            BD, BDV, RULE[0], RULE[1] or RULE[2])
+            q_ptr, do_ptr, lse_ptr, delta_ptr, ids_base, stride_kind, i_bh64, offs_m, T, SHAPE,
+            RULE[0], RULE[1] or RULE[2])
         p, _, ds = _bwd_tile(q, k, v, do, lse, delta, offs_m, offs_n, q_seg, q_pos, rule, bias,
-                             T, S, LOGITS, RULE, MASKED, EVEN_S, SAFE)
+                             T, S, LOGITS, RULE, MASKED, EVEN_T, EVEN_S, SAFE)
         dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PRECISION)
         if SAFE:  # a NaN q row that cannot see this key block must not reach dK as 0 * NaN
             q = tl.where(_finite(q), q, tl.zeros_like(q))  # (rows that see it reach dK by ds)
@@ -717,7 +733,7 @@ def _attention_dkv_kernel(
     CLAUSE2: tl.constexpr,
     HAS_SEGMENTS2: tl.constexpr, IS_CAUSAL2: tl.constexpr, HAS_WINDOW2: tl.constexpr,
     HAS_BIAS: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    EVEN_S: tl.constexpr, OPTIMISTIC: tl.constexpr, RETRY: tl.constexpr,
+    EVEN_S: tl.constexpr, EVEN_T: tl.constexpr, OPTIMISTIC: tl.constexpr, RETRY: tl.constexpr,
     SCAN: tl.constexpr, ROWS: tl.constexpr,
 ):
     # Key blocks in order (see _walk). A retry takes all query heads again, from zero: a copy
@@ -734,7 +750,7 @@ def _attention_dkv_kernel(
            (SCALE, SOFT_CAP, USE_SOFTCAP, HAS_BIAS, DOT_PRECISION),
            (HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2, HAS_SEGMENTS2,
             IS_CAUSAL2, HAS_WINDOW2),
-           (H, G, D, DV, BD, BDV, BQ, BK, EVEN_S)),
+           (H, G, D, DV, BD, BDV, BQ, BK, EVEN_S, EVEN_T)),
           n_kv_blocks, n_programs, retry_ptr, flag_ptr, False, OPTIMISTIC, RETRY, SCAN, ROWS)
 
 
@@ -751,6 +767,7 @@ def _dq_tiles(dq, q, do, lse, delta, offs_m, q_seg, q_pos, list_ptr, count, n_bl
     BDV: tl.constexpr = SHAPE[5]
     BK: tl.constexpr = SHAPE[7]
     EVEN_S: tl.constexpr = SHAPE[8]
+    EVEN_T: tl.constexpr = SHAPE[9]
     offs_d = tl.arange(0, BD)
     offs_dv = tl.arange(0, BDV)
     for i in range(count):
@@ -759,7 +776,7 @@ def _dq_tiles(dq, q, do, lse, delta, offs_m, q_seg, q_pos, list_ptr, count, n_bl
         k = _load_tile(k_base, offs_n, offs_d, S, D, EVEN_S & (D == BD))
         v = _load_tile(v_base, offs_n, offs_dv, S, DV, EVEN_S & (DV == BDV))
         _, ds, d_raw = _bwd_tile(q, k, v, do, lse, delta, offs_m, offs_n, q_seg, q_pos, rule,
-                                 bias, T, S, LOGITS, RULE, MASKED, EVEN_S, SAFE)
+                                 bias, T, S, LOGITS, RULE, MASKED, EVEN_T, EVEN_S, SAFE)
         if HAS_BIAS:  # dbias is ds itself; [B, H, T, S] fp32, unvisited tiles are zeroed outside
             ptrs = dbias_base + offs_m.to(tl.int64)[:, None] * S + offs_n[None, :]
             tl.store(ptrs, ds, mask=(offs_m < T)[:, None] & (offs_n < S)[None, :])
@@ -796,8 +813,8 @@ def _dq_program(i_m, i_bh, tensors, rule, bias, lists, sizes, LOGITS: tl.constex
     offs_d = tl.arange(0, BD)
     ids_base = ids_ptr + i_b * stride_ids_b
     q, do, lse, delta, q_seg, q_pos = _bwd_q_side(
-        q_ptr, do_ptr, lse_ptr, delta_ptr, ids_base, stride_kind, i_bh64, offs_m, T, D, DV, BD,
-        BDV, RULE[0], RULE[1] or RULE[2])
+        q_ptr, do_ptr, lse_ptr, delta_ptr, ids_base, stride_kind, i_bh64, offs_m, T, SHAPE,
+        RULE[0], RULE[1] or RULE[2])
     k_base = k_ptr + i_kvh64 * S * D
     v_base = v_ptr + i_kvh64 * S * DV
     mask_base = token_mask_ptr + i_b.to(tl.int64) * stride_mask_b + i_h.to(tl.int64) * stride_mask_h
@@ -843,7 +860,7 @@ def _attention_dq_kernel(
     HAS_WINDOW: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr, CLAUSE2: tl.constexpr,
     HAS_SEGMENTS2: tl.constexpr, IS_CAUSAL2: tl.constexpr, HAS_WINDOW2: tl.constexpr,
     HAS_BIAS: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    EVEN_S: tl.constexpr, OPTIMISTIC: tl.constexpr, RETRY: tl.constexpr,
+    EVEN_S: tl.constexpr, EVEN_T: tl.constexpr, OPTIMISTIC: tl.constexpr, RETRY: tl.constexpr,
     SCAN: tl.constexpr, ROWS: tl.constexpr,
 ):
     # Query blocks in reverse order, as in the forward (see _walk).
@@ -858,7 +875,7 @@ def _attention_dq_kernel(
            (SCALE, SOFT_CAP, USE_SOFTCAP, HAS_BIAS, DOT_PRECISION),
            (HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2, HAS_SEGMENTS2,
             IS_CAUSAL2, HAS_WINDOW2),
-           (H, G, D, DV, BD, BDV, BQ, BK, EVEN_S)),
+           (H, G, D, DV, BD, BDV, BQ, BK, EVEN_S, EVEN_T)),
           n_q_blocks, n_programs, retry_ptr, flag_ptr, True, OPTIMISTIC, RETRY, SCAN, ROWS)
 
 
@@ -952,7 +969,8 @@ def _common(static: _Static, q, k, v, bias, rule, mask: BlockMask, blocks: Block
         HAS_SEGMENTS2=segments2, IS_CAUSAL2=causal2, HAS_WINDOW2=window2 is not None,
         HAS_BIAS=bias is not None, USE_SOFTCAP=static.soft_cap is not None,
         DOT_PRECISION=blocks.float32_dot if q.dtype == jnp.float32 else "tf32",  # 16-bit: unused
-        EVEN_S=S % blocks.block_kv == 0, OPTIMISTIC=_optimistic(q.dtype),
+        EVEN_S=S % blocks.block_kv == 0, EVEN_T=T % blocks.block_q == 0,
+        OPTIMISTIC=_optimistic(q.dtype),
         num_warps=blocks.num_warps, num_stages=blocks.num_stages,
     )
     return [*rule_args, bias_arg], scalars, meta
