@@ -235,6 +235,36 @@ def _flagged(flag_ptr, first, n_programs, COUNT: tl.constexpr, ROWS: tl.constexp
 
 
 @triton.jit
+def _head(rule, bias, i_b, i_h):
+    """The token rule and bias of one (batch ``i_b``, head ``i_h``) as the tile helpers take
+    them: the batch row's ids, the head's token mask and bias (64-bit offsets: a token mask or a
+    bias may pass 2**31 elements), their strides, the windows."""
+    ids_ptr, token_mask_ptr, stride_ids_b, stride_kind, stride_mask_b, stride_mask_h, \
+        window_left, window_right, window2_left, window2_right = rule
+    bias_ptr, stride_bb, stride_bh, stride_bt, stride_bs = bias
+    b64, h64 = i_b.to(tl.int64), i_h.to(tl.int64)
+    mask_base = token_mask_ptr + b64 * stride_mask_b + h64 * stride_mask_h
+    tile_rule = (ids_ptr + i_b * stride_ids_b, stride_kind, mask_base, window_left,
+                 window_right, window2_left, window2_right)
+    return tile_rule, (bias_ptr + b64 * stride_bb + h64 * stride_bh, stride_bt, stride_bs)
+
+
+@triton.jit
+def _block_list(lists, i_b, i_h, line, n_lines, n_blocks, FULL: tl.constexpr):
+    """Line ``line`` of one (batch, head)'s partial (or ``FULL``) block list: a query block's
+    key blocks, or in the transposed lists a key block's query blocks (``n_lines`` lines of
+    ``n_blocks``). Returns where the list starts and its count, clamped."""
+    partial_count_ptr, partial_index_ptr, full_count_ptr, full_index_ptr, stride_bm_b, \
+        stride_bm_h = lists
+    at = (i_b * stride_bm_b + i_h * stride_bm_h) * n_lines + line
+    if FULL:
+        count_ptr, index_ptr = full_count_ptr, full_index_ptr
+    else:
+        count_ptr, index_ptr = partial_count_ptr, partial_index_ptr
+    return index_ptr + at.to(tl.int64) * n_blocks, _clamp(tl.load(count_ptr + at), n_blocks)
+
+
+@triton.jit
 def _logits(q, k, offs_m, offs_n, bias, T, S, LOGITS: tl.constexpr):
     """The final logits in base 2, ``log2(e) * (cap * tanh(SCALE q k^T / cap) + bias)``,
     and the tanh (for the soft cap's derivative). Base 2 because ``exp2`` is one
@@ -404,11 +434,6 @@ def _fwd_program(i_m, i_bh, tensors, rule, bias, lists, sizes, LOGITS: tl.conste
     """One query block ``i_m`` of one (batch, head) ``i_bh``: ``o`` and ``lse`` stored;
     its accumulator returned. ``tensors``: q, k, v, sinks, o, lse."""
     q_ptr, k_ptr, v_ptr, sink_ptr, o_ptr, lse_ptr = tensors
-    ids_ptr, token_mask_ptr, stride_ids_b, stride_kind, stride_mask_b, stride_mask_h, \
-        window_left, window_right, window2_left, window2_right = rule
-    bias_ptr, stride_bb, stride_bh, stride_bt, stride_bs = bias
-    partial_count_ptr, partial_index_ptr, full_count_ptr, full_index_ptr, stride_bm_b, \
-        stride_bm_h = lists
     T, S, n_q_blocks, n_kv_blocks = sizes
     H: tl.constexpr = SHAPE[0]
     G: tl.constexpr = SHAPE[1]
@@ -430,16 +455,11 @@ def _fwd_program(i_m, i_bh, tensors, rule, bias, lists, sizes, LOGITS: tl.conste
     k_base = k_ptr + i_kvh64 * S * D
     v_base = v_ptr + i_kvh64 * S * DV
     q = _load_tile(q_base, offs_m, offs_d, T, D, EVEN_T & (D == BD))
-    ids_base = ids_ptr + i_b * stride_ids_b
-    # (HAS_SEGMENTS; IS_CAUSAL or HAS_WINDOW: whether the rule reads segments, positions)
-    q_seg, q_pos = _q_ids(ids_base, stride_kind, offs_m, T, RULE[0], RULE[1] or RULE[2],
+    tile_rule, tile_bias = _head(rule, bias, i_b, i_h)
+    # (ids, their stride; HAS_SEGMENTS; IS_CAUSAL or HAS_WINDOW: whether the rule reads
+    # segments, positions)
+    q_seg, q_pos = _q_ids(tile_rule[0], tile_rule[1], offs_m, T, RULE[0], RULE[1] or RULE[2],
                           EVEN_T)
-    mask_base = (token_mask_ptr + i_b.to(tl.int64) * stride_mask_b
-                 + i_h.to(tl.int64) * stride_mask_h)
-    bias_base = bias_ptr + i_b.to(tl.int64) * stride_bb + i_h.to(tl.int64) * stride_bh
-    tile_rule = (ids_base, stride_kind, mask_base, window_left, window_right,
-                 window2_left, window2_right)
-    tile_bias = (bias_base, stride_bt, stride_bs)
 
     # the sink is the first "logit" of every row: m = sink, l = exp2(sink - m) = 1
     if HAS_SINKS:
@@ -450,16 +470,13 @@ def _fwd_program(i_m, i_bh, tensors, rule, bias, lists, sizes, LOGITS: tl.conste
         l_i = tl.zeros([BQ], tl.float32)
     acc = tl.zeros([BQ, BDV], tl.float32)
 
-    row = (i_b * stride_bm_b + i_h * stride_bm_h) * n_q_blocks + i_m
-    n_partial = _clamp(tl.load(partial_count_ptr + row), n_kv_blocks)
-    n_full = _clamp(tl.load(full_count_ptr + row), n_kv_blocks)
+    partial, n_partial = _block_list(lists, i_b, i_h, i_m, n_q_blocks, n_kv_blocks, False)
     acc, m_i, l_i = _fwd_tiles(
-        acc, m_i, l_i, q, offs_m, q_seg, q_pos,
-        partial_index_ptr + row.to(tl.int64) * n_kv_blocks, n_partial, n_kv_blocks,
+        acc, m_i, l_i, q, offs_m, q_seg, q_pos, partial, n_partial, n_kv_blocks,
         k_base, v_base, tile_rule, tile_bias, T, S, LOGITS, RULE, SHAPE, True, SAFE)
+    full, n_full = _block_list(lists, i_b, i_h, i_m, n_q_blocks, n_kv_blocks, True)
     acc, m_i, l_i = _fwd_tiles(
-        acc, m_i, l_i, q, offs_m, q_seg, q_pos,
-        full_index_ptr + row.to(tl.int64) * n_kv_blocks, n_full, n_kv_blocks,
+        acc, m_i, l_i, q, offs_m, q_seg, q_pos, full, n_full, n_kv_blocks,
         k_base, v_base, tile_rule, tile_bias, T, S, LOGITS, RULE, SHAPE, False, False)
 
     # A row that saw no key (and has no sink) has l = 0: its output is 0 and its lse +inf,
@@ -632,16 +649,11 @@ def _dkv_tiles(dk, dv, k, v, offs_n, list_ptr, count, n_blocks, i_bh64, q_side, 
 
 
 @triton.jit
-def _dkv_heads(k, v, offs_n, i_b, i_kvh, i_n, ids_base, q_side, rule, bias, lists, sizes,
+def _dkv_heads(k, v, offs_n, i_b, i_kvh, i_n, q_side, rule, bias, lists, sizes,
                LOGITS: tl.constexpr, RULE: tl.constexpr, SHAPE: tl.constexpr,
                SAFE: tl.constexpr):
     """dK, dV of one key block over the query heads it serves: partial tiles, then full
     ones."""
-    _, token_mask_ptr, _, stride_kind, stride_mask_b, stride_mask_h, window_left, \
-        window_right, window2_left, window2_right = rule
-    bias_ptr, stride_bb, stride_bh, stride_bt, stride_bs = bias
-    t_partial_count_ptr, t_partial_index_ptr, t_full_count_ptr, t_full_index_ptr, \
-        stride_bm_b, stride_bm_h = lists
     T, S, n_q_blocks, n_kv_blocks = sizes
     H: tl.constexpr = SHAPE[0]
     G: tl.constexpr = SHAPE[1]
@@ -653,23 +665,14 @@ def _dkv_heads(k, v, offs_n, i_b, i_kvh, i_n, ids_base, q_side, rule, bias, list
     for g in range(G):  # the query heads this key/value head serves
         i_h = i_kvh * G + g
         i_bh64 = (i_b * H + i_h).to(tl.int64)
-        mask_base = (token_mask_ptr + i_b.to(tl.int64) * stride_mask_b
-                     + i_h.to(tl.int64) * stride_mask_h)
-        bias_base = bias_ptr + i_b.to(tl.int64) * stride_bb + i_h.to(tl.int64) * stride_bh
-        tile_rule = (ids_base, stride_kind, mask_base, window_left, window_right,
-                     window2_left, window2_right)
-        tile_bias = (bias_base, stride_bt, stride_bs)
-        col = (i_b * stride_bm_b + i_h * stride_bm_h) * n_kv_blocks + i_n
-        n_partial = _clamp(tl.load(t_partial_count_ptr + col), n_q_blocks)
-        n_full = _clamp(tl.load(t_full_count_ptr + col), n_q_blocks)
-        dk, dv = _dkv_tiles(
-            dk, dv, k, v, offs_n, t_partial_index_ptr + col.to(tl.int64) * n_q_blocks,
-            n_partial, n_q_blocks, i_bh64, q_side, tile_rule, tile_bias, T, S, LOGITS,
-            RULE, SHAPE, True, SAFE)
-        dk, dv = _dkv_tiles(
-            dk, dv, k, v, offs_n, t_full_index_ptr + col.to(tl.int64) * n_q_blocks,
-            n_full, n_q_blocks, i_bh64, q_side, tile_rule, tile_bias, T, S, LOGITS,
-            RULE, SHAPE, False, False)
+        tile_rule, tile_bias = _head(rule, bias, i_b, i_h)
+        # (the transposed lists: per key block, its query blocks)
+        partial, n_partial = _block_list(lists, i_b, i_h, i_n, n_kv_blocks, n_q_blocks, False)
+        dk, dv = _dkv_tiles(dk, dv, k, v, offs_n, partial, n_partial, n_q_blocks, i_bh64,
+                            q_side, tile_rule, tile_bias, T, S, LOGITS, RULE, SHAPE, True, SAFE)
+        full, n_full = _block_list(lists, i_b, i_h, i_n, n_kv_blocks, n_q_blocks, True)
+        dk, dv = _dkv_tiles(dk, dv, k, v, offs_n, full, n_full, n_q_blocks, i_bh64, q_side,
+                            tile_rule, tile_bias, T, S, LOGITS, RULE, SHAPE, False, False)
     return dk, dv
 
 
@@ -700,10 +703,8 @@ def _dkv_program(i_n, i_bkv, tensors, rule, bias, lists, sizes, LOGITS: tl.const
                 mask=in_kv[:, None] & (offs_d < D)[None, :], other=0.0)
     v = tl.load(v_ptr + i_bkv64 * S * DV + offs_n[:, None] * DV + offs_dv[None, :],
                 mask=in_kv[:, None] & (offs_dv < DV)[None, :], other=0.0)
-    ids_base = rule[0] + i_b * rule[2]  # this batch row's ids (ids_ptr, stride_ids_b)
-    dk, dv = _dkv_heads(k, v, offs_n, i_b, i_kvh, i_n, ids_base,
-                        (q_ptr, do_ptr, lse_ptr, delta_ptr), rule, bias, lists, sizes,
-                        LOGITS, RULE, SHAPE, SAFE)
+    dk, dv = _dkv_heads(k, v, offs_n, i_b, i_kvh, i_n, (q_ptr, do_ptr, lse_ptr, delta_ptr),
+                        rule, bias, lists, sizes, LOGITS, RULE, SHAPE, SAFE)
     kv_rows = in_kv[:, None]
     tl.store(dk_ptr + i_bkv64 * S * D + offs_n[:, None] * D + offs_d[None, :],
              (dk * SCALE).to(dk_ptr.dtype.element_ty),
@@ -792,11 +793,6 @@ def _dq_program(i_m, i_bh, tensors, rule, bias, lists, sizes, LOGITS: tl.constex
     """One query block ``i_m`` of one (batch, head) ``i_bh``: ``dq`` (and its ``dbias`` tiles)
     stored; ``dq`` returned. ``tensors``: q, k, v, do, lse, delta, dq, dbias."""
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dbias_ptr = tensors
-    ids_ptr, token_mask_ptr, stride_ids_b, stride_kind, stride_mask_b, stride_mask_h, \
-        window_left, window_right, window2_left, window2_right = rule
-    bias_ptr, stride_bb, stride_bh, stride_bt, stride_bs = bias
-    partial_count_ptr, partial_index_ptr, full_count_ptr, full_index_ptr, stride_bm_b, \
-        stride_bm_h = lists
     T, S, n_q_blocks, n_kv_blocks = sizes
     SCALE: tl.constexpr = LOGITS[0]
     H: tl.constexpr = SHAPE[0]
@@ -811,28 +807,20 @@ def _dq_program(i_m, i_bh, tensors, rule, bias, lists, sizes, LOGITS: tl.constex
     i_kvh64 = (i_b * (H // G) + i_h // G).to(tl.int64)
     offs_m = i_m * BQ + tl.arange(0, BQ)
     offs_d = tl.arange(0, BD)
-    ids_base = ids_ptr + i_b * stride_ids_b
+    tile_rule, tile_bias = _head(rule, bias, i_b, i_h)
     q, do, lse, delta, q_seg, q_pos = _bwd_q_side(
-        q_ptr, do_ptr, lse_ptr, delta_ptr, ids_base, stride_kind, i_bh64, offs_m, T, SHAPE,
-        RULE[0], RULE[1] or RULE[2])
+        q_ptr, do_ptr, lse_ptr, delta_ptr, tile_rule[0], tile_rule[1], i_bh64, offs_m, T,
+        SHAPE, RULE[0], RULE[1] or RULE[2])
     k_base = k_ptr + i_kvh64 * S * D
     v_base = v_ptr + i_kvh64 * S * DV
-    mask_base = token_mask_ptr + i_b.to(tl.int64) * stride_mask_b + i_h.to(tl.int64) * stride_mask_h
-    bias_base = bias_ptr + i_b.to(tl.int64) * stride_bb + i_h.to(tl.int64) * stride_bh
     dbias_base = dbias_ptr + i_bh64 * T * S
-    tile_rule = (ids_base, stride_kind, mask_base, window_left, window_right,
-                 window2_left, window2_right)
-    tile_bias = (bias_base, stride_bt, stride_bs)
     dq = tl.zeros([BQ, BD], tl.float32)
-    row = (i_b * stride_bm_b + i_h * stride_bm_h) * n_q_blocks + i_m
-    n_partial = _clamp(tl.load(partial_count_ptr + row), n_kv_blocks)
-    n_full = _clamp(tl.load(full_count_ptr + row), n_kv_blocks)
-    dq = _dq_tiles(dq, q, do, lse, delta, offs_m, q_seg, q_pos,
-                   partial_index_ptr + row.to(tl.int64) * n_kv_blocks, n_partial, n_kv_blocks,
-                   k_base, v_base, dbias_base, tile_rule, tile_bias, T, S, LOGITS, RULE, SHAPE,
-                   True, SAFE)
-    dq = _dq_tiles(dq, q, do, lse, delta, offs_m, q_seg, q_pos,
-                   full_index_ptr + row.to(tl.int64) * n_kv_blocks, n_full, n_kv_blocks,
+    partial, n_partial = _block_list(lists, i_b, i_h, i_m, n_q_blocks, n_kv_blocks, False)
+    dq = _dq_tiles(dq, q, do, lse, delta, offs_m, q_seg, q_pos, partial, n_partial,
+                   n_kv_blocks, k_base, v_base, dbias_base, tile_rule, tile_bias, T, S, LOGITS,
+                   RULE, SHAPE, True, SAFE)
+    full, n_full = _block_list(lists, i_b, i_h, i_m, n_q_blocks, n_kv_blocks, True)
+    dq = _dq_tiles(dq, q, do, lse, delta, offs_m, q_seg, q_pos, full, n_full, n_kv_blocks,
                    k_base, v_base, dbias_base, tile_rule, tile_bias, T, S, LOGITS, RULE, SHAPE,
                    False, False)
     tl.store(dq_ptr + i_bh64 * T * D + offs_m[:, None] * D + offs_d[None, :],
