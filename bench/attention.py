@@ -535,6 +535,9 @@ def merge(path: Path, payload: dict) -> dict:
     if not path.exists():
         return payload
     old = json.loads(path.read_text())
+    if old.get("commit") != payload.get("commit"):
+        raise SystemExit(f"--merge: {path} is of commit {old.get('commit')}, this run of "
+                         f"{payload.get('commit')}; one file holds one commit's figures")
     names = {r["name"] for r in payload["rows"]}
     rows = [r for r in old.get("rows", []) if r["name"] not in names] + payload["rows"]
     merged = dict(payload, rows=rows, summary=summarize(rows))
@@ -544,6 +547,7 @@ def merge(path: Path, payload: dict) -> dict:
     merged["not_run"] = {**{c: r for c, r in old.get("not_run", {}).items()
                             if not any(c.startswith(n + " ") for n in names)}, **payload["not_run"]}
     merged["failures"] = payload["failures"]
+    merged["commands"] = old.get("commands", [old["command"]]) + [payload["command"]]
     return merged
 
 

@@ -172,8 +172,11 @@ def _clamp(x, n):
 def _in_bounds(offs, n, EVEN: tl.constexpr):
     """``offs < n``, or all true if ``EVEN``: ``n`` is a multiple of the block and the block
     index was clamped (``_clamp``), so no offset passes ``n``. Then the compiler drops the
-    compares and the masks of the loads they guard (fewer instructions and registers per tile
-    in the loops)."""
+    compares and the masks of the loads they guard: for sm_90 the documents mask's dK/dV
+    kernel went from 3144 to 2744 instructions, its forward from 3944 to 3128. H100, bf16 B4
+    H16 T8192 D128, same process (bench/results/ab_attention.json): forward + backward now
+    faster than before the NaN and bounds safety (139f93b) on every mask, documents 2.80
+    against 2.97 ms (3.03 without this, a run not recorded)."""
     inside = offs < n
     if EVEN:
         inside = tl.full(offs.shape, True, tl.int1)
