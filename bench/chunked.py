@@ -104,17 +104,23 @@ def fla_peer(run, fla, form, gate, inputs, d_o, scale, samples, refused):
     """fla's kernel racing ours of ``form`` on these inputs, or None where fla refuses it (then
     the race is missing: a failure of the run)."""
     name = peers.FLA[form, gate]
-    try:
-        return name, peers.fla_race(fla, form, gate, inputs, d_o, scale, samples)
-    except RuntimeError as error:
-        # fla 0.6 refuses chunk_simple_gla with Triton < 3.7.1 on Hopper (its issue 640: wrong
-        # gated gradients). Recorded; its chunk_gla computes the same function with the gate
-        # broadcast along K, and runs.
-        refused[name] = f"{type(error).__name__}: {str(error)[:300]}"
-        run.log(f"{name} refused: {refused[name]}")
-        if (form, gate) != ("chunked", "g"):
-            run.failures.append(f"{name} refused and no stand-in: no race for our {form} ({gate})")
-            return None
+    if name in refused:
+        # Refused earlier in this run, or in the file --merge keeps (same commit, so the same
+        # fla and Triton, and same device): not asked again. Asking cost 113 s of autotuning
+        # before the refusal (chunk_simple_gla's forward, shape 0, H100, 8c02bab).
+        run.log(f"{name}: refused before, not asked again ({refused[name][:100]})")
+    else:
+        try:
+            return name, peers.fla_race(fla, form, gate, inputs, d_o, scale, samples)
+        except RuntimeError as error:
+            # fla 0.6 refuses chunk_simple_gla with Triton < 3.7.1 on Hopper (its issue 640:
+            # wrong gated gradients). Recorded; its chunk_gla computes the same function with
+            # the gate broadcast along K, and runs.
+            refused[name] = f"{type(error).__name__}: {str(error)[:300]}"
+            run.log(f"{name} refused: {refused[name]}")
+    if (form, gate) != ("chunked", "g"):
+        run.failures.append(f"{name} refused and no stand-in: no race for our {form} ({gate})")
+        return None
     return peers.FLA_BROADCAST, peers.fla_race(fla, form, gate, inputs, d_o, scale, samples,
                                                broadcast=True)
 
