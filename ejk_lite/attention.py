@@ -40,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -145,6 +145,40 @@ class _Static:
     clause2: tuple[str, bool, tuple[int, int] | None, bool] | None  # (op, causal, window, segments)
 
 
+# What the kernels are compiled for, in three named groups that each kernel takes as one
+# constexpr (``LOGITS.SCALE``, ``SHAPE.BQ`` in the kernels): built by ``_common``.
+class _Logits(NamedTuple):
+    SCALE: float          # softmax scale
+    SOFT_CAP: float       # cap * tanh(logit / cap); 1.0 when USE_SOFTCAP is False (unused)
+    USE_SOFTCAP: bool
+    HAS_BIAS: bool
+    DOT_PRECISION: str    # tl.dot's input_precision for float32 inputs (BlockSizes.float32_dot)
+
+
+class _Rule(NamedTuple):
+    HAS_SEGMENTS: bool    # the first clause: equal segments, causal, a window, a token mask
+    IS_CAUSAL: bool
+    HAS_WINDOW: bool
+    HAS_TOKEN_MASK: bool
+    CLAUSE2: int          # a second clause: 0 none, 1 joined by and, 2 by or
+    HAS_SEGMENTS2: bool
+    IS_CAUSAL2: bool
+    HAS_WINDOW2: bool
+
+
+class _Shape(NamedTuple):
+    H: int                # query heads; G query heads per key/value head
+    G: int
+    D: int                # head dims of q/k and of v, and their powers of two
+    DV: int
+    BD: int
+    BDV: int
+    BQ: int               # the kernel's query and key tiles
+    BK: int
+    EVEN_S: bool          # S a multiple of BK, T of BQ: no bounds to check (_in_bounds)
+    EVEN_T: bool
+
+
 # ----------------------------------------------------------------------------------------------
 # Kernels. Every tensor is contiguous; a program's base pointers are computed once.
 #
@@ -225,16 +259,15 @@ def _flagged(flag_ptr, first, n_programs, COUNT: tl.constexpr, ROWS: tl.constexp
 
 
 # Kernel parameters travel in tuples (Triton flattens them; the compiled code is the same), each
-# named once here:
+# named once here (the compile-time ones are NamedTuples, above):
 #   rule    the token rule's runtime operands: ids, token mask, their strides, the two windows
 #   bias    the bias, and its strides along B, H, T and S (in a tile: a head's base, T and S)
 #   lists   the block mask's lists: partial count and index, full count and index, and the
 #           strides of a batch row and a head in them
 #   sizes   T, S, n_q_blocks, n_kv_blocks
-#   LOGITS  constexpr (SCALE, SOFT_CAP, USE_SOFTCAP, HAS_BIAS, DOT_PRECISION)
-#   RULE    constexpr (HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2,
-#           HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2)
-#   SHAPE   constexpr (H, G, D, DV, BD, BDV, BQ, BK, EVEN_S, EVEN_T)
+#   LOGITS  _Logits: scale, soft cap, bias, dot precision
+#   RULE    _Rule: which clauses the token rule has
+#   SHAPE   _Shape: heads, head dims, tiles
 
 
 @triton.jit
@@ -273,11 +306,11 @@ def _logits(q, k, offs_m, offs_n, bias, T, S, LOGITS: tl.constexpr):
     and the tanh (for the soft cap's derivative). Base 2 because ``exp2`` is one
     instruction; without a soft cap and a bias the whole scaling is one multiply by a
     constant. ``bias``: a head's base, and its strides along T and S."""
-    SCALE: tl.constexpr = LOGITS[0]
-    SOFT_CAP: tl.constexpr = LOGITS[1]
-    USE_SOFTCAP: tl.constexpr = LOGITS[2]
-    HAS_BIAS: tl.constexpr = LOGITS[3]
-    DOT_PRECISION: tl.constexpr = LOGITS[4]
+    SCALE: tl.constexpr = LOGITS.SCALE
+    SOFT_CAP: tl.constexpr = LOGITS.SOFT_CAP
+    USE_SOFTCAP: tl.constexpr = LOGITS.USE_SOFTCAP
+    HAS_BIAS: tl.constexpr = LOGITS.HAS_BIAS
+    DOT_PRECISION: tl.constexpr = LOGITS.DOT_PRECISION
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     t = s
     if USE_SOFTCAP:
@@ -350,14 +383,14 @@ def _visible(offs_m, offs_n, q_seg, q_pos, rule, T, S, MASKED: tl.constexpr,
     ``EVEN_T``, ``EVEN_S``: no row, no column past the end (see ``_in_bounds``)."""
     ids_base, stride_kind, mask_base, window_left, window_right, window2_left, \
         window2_right = rule
-    HAS_SEGMENTS: tl.constexpr = RULE[0]
-    IS_CAUSAL: tl.constexpr = RULE[1]
-    HAS_WINDOW: tl.constexpr = RULE[2]
-    HAS_TOKEN_MASK: tl.constexpr = RULE[3]
-    CLAUSE2: tl.constexpr = RULE[4]
-    HAS_SEGMENTS2: tl.constexpr = RULE[5]
-    IS_CAUSAL2: tl.constexpr = RULE[6]
-    HAS_WINDOW2: tl.constexpr = RULE[7]
+    HAS_SEGMENTS: tl.constexpr = RULE.HAS_SEGMENTS
+    IS_CAUSAL: tl.constexpr = RULE.IS_CAUSAL
+    HAS_WINDOW: tl.constexpr = RULE.HAS_WINDOW
+    HAS_TOKEN_MASK: tl.constexpr = RULE.HAS_TOKEN_MASK
+    CLAUSE2: tl.constexpr = RULE.CLAUSE2
+    HAS_SEGMENTS2: tl.constexpr = RULE.HAS_SEGMENTS2
+    IS_CAUSAL2: tl.constexpr = RULE.IS_CAUSAL2
+    HAS_WINDOW2: tl.constexpr = RULE.HAS_WINDOW2
     in_kv = _in_bounds(offs_n, S, EVEN_S)
     in_range = _in_bounds(offs_m, T, EVEN_T)[:, None] & in_kv[None, :]
     visible = in_range
@@ -387,14 +420,14 @@ def _fwd_tiles(acc, m_i, l_i, q, offs_m, q_seg, q_pos, list_ptr, count, n_blocks
     """The online-softmax inner loop over ``count`` key blocks read from ``list_ptr``;
     ``SAFE``: keep a NaN or an inf of v inside the rows that see it (see
     ``_rows_not_finite``)."""
-    DOT_PRECISION: tl.constexpr = LOGITS[4]
-    D: tl.constexpr = SHAPE[2]
-    DV: tl.constexpr = SHAPE[3]
-    BD: tl.constexpr = SHAPE[4]
-    BDV: tl.constexpr = SHAPE[5]
-    BK: tl.constexpr = SHAPE[7]
-    EVEN_S: tl.constexpr = SHAPE[8]
-    EVEN_T: tl.constexpr = SHAPE[9]
+    DOT_PRECISION: tl.constexpr = LOGITS.DOT_PRECISION
+    D: tl.constexpr = SHAPE.D
+    DV: tl.constexpr = SHAPE.DV
+    BD: tl.constexpr = SHAPE.BD
+    BDV: tl.constexpr = SHAPE.BDV
+    BK: tl.constexpr = SHAPE.BK
+    EVEN_S: tl.constexpr = SHAPE.EVEN_S
+    EVEN_T: tl.constexpr = SHAPE.EVEN_T
     offs_d = tl.arange(0, BD)
     offs_dv = tl.arange(0, BDV)
     for i in range(count):
@@ -438,14 +471,14 @@ def _fwd_program(i_m, i_bh, tensors, rule, bias, lists, sizes, LOGITS: tl.conste
     its accumulator returned. ``tensors``: q, k, v, sinks, o, lse."""
     q_ptr, k_ptr, v_ptr, sink_ptr, o_ptr, lse_ptr = tensors
     T, S, n_q_blocks, n_kv_blocks = sizes
-    H: tl.constexpr = SHAPE[0]
-    G: tl.constexpr = SHAPE[1]
-    D: tl.constexpr = SHAPE[2]
-    DV: tl.constexpr = SHAPE[3]
-    BD: tl.constexpr = SHAPE[4]
-    BDV: tl.constexpr = SHAPE[5]
-    BQ: tl.constexpr = SHAPE[6]
-    EVEN_T: tl.constexpr = SHAPE[9]
+    H: tl.constexpr = SHAPE.H
+    G: tl.constexpr = SHAPE.G
+    D: tl.constexpr = SHAPE.D
+    DV: tl.constexpr = SHAPE.DV
+    BD: tl.constexpr = SHAPE.BD
+    BDV: tl.constexpr = SHAPE.BDV
+    BQ: tl.constexpr = SHAPE.BQ
+    EVEN_T: tl.constexpr = SHAPE.EVEN_T
     i_b, i_h = i_bh // H, i_bh % H
     i_bh64 = i_bh.to(tl.int64)
     i_kvh64 = (i_b * (H // G) + i_h // G).to(tl.int64)
@@ -459,10 +492,9 @@ def _fwd_program(i_m, i_bh, tensors, rule, bias, lists, sizes, LOGITS: tl.conste
     v_base = v_ptr + i_kvh64 * S * DV
     q = _load_tile(q_base, offs_m, offs_d, T, D, EVEN_T & (D == BD))
     tile_rule, tile_bias = _head(rule, bias, i_b, i_h)
-    # (ids, their stride; HAS_SEGMENTS; IS_CAUSAL or HAS_WINDOW: whether the rule reads
-    # segments, positions)
-    q_seg, q_pos = _q_ids(tile_rule[0], tile_rule[1], offs_m, T, RULE[0], RULE[1] or RULE[2],
-                          EVEN_T)
+    ids_base, stride_kind = tile_rule[0], tile_rule[1]
+    q_seg, q_pos = _q_ids(ids_base, stride_kind, offs_m, T, RULE.HAS_SEGMENTS,
+                          RULE.IS_CAUSAL or RULE.HAS_WINDOW, EVEN_T)
 
     # the sink is the first "logit" of every row: m = sink, l = exp2(sink - m) = 1
     if HAS_SINKS:
@@ -544,20 +576,13 @@ def _attention_fwd_kernel(
     stride_bt, stride_bs, stride_bm_b, stride_bm_h, n_programs,
     # outputs
     o_ptr, lse_ptr, flag_ptr,
-    # shapes and features
-    SCALE: tl.constexpr, SOFT_CAP: tl.constexpr, H: tl.constexpr, G: tl.constexpr,
-    D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
-    BQ: tl.constexpr, BK: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr,
-    CLAUSE2: tl.constexpr, HAS_SEGMENTS2: tl.constexpr, IS_CAUSAL2: tl.constexpr,
-    HAS_WINDOW2: tl.constexpr, HAS_BIAS: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    HAS_SINKS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, EVEN_S: tl.constexpr, EVEN_T: tl.constexpr,
-    OPTIMISTIC: tl.constexpr,
-    RETRY: tl.constexpr, SCAN: tl.constexpr, ROWS: tl.constexpr,
+    # compile-time: the logits, the token rule, the shapes (_Logits, _Rule, _Shape), the sinks,
+    # and the NaN containment's launch (_walk)
+    LOGITS: tl.constexpr, RULE: tl.constexpr, SHAPE: tl.constexpr, HAS_SINKS: tl.constexpr,
+    OPTIMISTIC: tl.constexpr, RETRY: tl.constexpr, SCAN: tl.constexpr, ROWS: tl.constexpr,
 ):
-    # The parameters stay flat here: they are what triton_call passes (arrays, numbers,
-    # constants, one by one). Query blocks in reverse order (see _walk).
+    # Arrays and numbers stay flat here: triton_call passes them one by one. Query blocks in
+    # reverse order (see _walk).
     _walk(_fwd_program,
           ((q_ptr, k_ptr, v_ptr, sink_ptr, o_ptr, lse_ptr),
            (ids_ptr, token_mask_ptr, stride_ids_b, stride_kind, stride_mask_b, stride_mask_h,
@@ -566,10 +591,7 @@ def _attention_fwd_kernel(
            (partial_count_ptr, partial_index_ptr, full_count_ptr, full_index_ptr, stride_bm_b,
             stride_bm_h),
            (T, S, n_q_blocks, n_kv_blocks),
-           (SCALE, SOFT_CAP, USE_SOFTCAP, HAS_BIAS, DOT_PRECISION),
-           (HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2, HAS_SEGMENTS2,
-            IS_CAUSAL2, HAS_WINDOW2),
-           (H, G, D, DV, BD, BDV, BQ, BK, EVEN_S, EVEN_T), HAS_SINKS),
+           LOGITS, RULE, SHAPE, HAS_SINKS),
           n_q_blocks, n_programs, retry_ptr, flag_ptr, True, OPTIMISTIC, RETRY, SCAN, ROWS)
 
 
@@ -579,8 +601,8 @@ def _bwd_tile(q, k, v, do, lse, delta, offs_m, offs_n, q_seg, q_pos, rule, bias,
               EVEN_T: tl.constexpr, EVEN_S: tl.constexpr, SAFE: tl.constexpr):
     """One tile of the backward: ``p``, ``ds`` = dL/d(final logit), and the same before
     the cap. ``SAFE``: see ``_rows_not_finite``."""
-    USE_SOFTCAP: tl.constexpr = LOGITS[2]
-    DOT_PRECISION: tl.constexpr = LOGITS[4]
+    USE_SOFTCAP: tl.constexpr = LOGITS.USE_SOFTCAP
+    DOT_PRECISION: tl.constexpr = LOGITS.DOT_PRECISION
     s, t = _logits(q, k, offs_m, offs_n, bias, T, S, LOGITS)
     visible = _visible(offs_m, offs_n, q_seg, q_pos, rule, T, S, MASKED, RULE, EVEN_T,
                        EVEN_S)
@@ -609,11 +631,11 @@ def _bwd_tile(q, k, v, do, lse, delta, offs_m, offs_n, q_seg, q_pos, rule, bias,
 def _bwd_q_side(q_ptr, do_ptr, lse_ptr, delta_ptr, ids_base, stride_kind, i_bh64, offs_m, T,
                 SHAPE: tl.constexpr, HAS_SEGMENTS: tl.constexpr, USE_POSITIONS: tl.constexpr):
     """Load a query block's q, do, lse, delta and token ids (rows past T: zeros and lse = +inf)."""
-    D: tl.constexpr = SHAPE[2]
-    DV: tl.constexpr = SHAPE[3]
-    BD: tl.constexpr = SHAPE[4]
-    BDV: tl.constexpr = SHAPE[5]
-    EVEN_T: tl.constexpr = SHAPE[9]
+    D: tl.constexpr = SHAPE.D
+    DV: tl.constexpr = SHAPE.DV
+    BD: tl.constexpr = SHAPE.BD
+    BDV: tl.constexpr = SHAPE.BDV
+    EVEN_T: tl.constexpr = SHAPE.EVEN_T
     in_q = _in_bounds(offs_m, T, EVEN_T)
     q = _load_tile(q_ptr + i_bh64 * T * D, offs_m, tl.arange(0, BD), T, D, EVEN_T & (D == BD))
     do = _load_tile(do_ptr + i_bh64 * T * DV, offs_m, tl.arange(0, BDV), T, DV,
@@ -632,16 +654,16 @@ def _dkv_tiles(dk, dv, k, v, offs_n, list_ptr, count, n_blocks, i_bh64, q_side, 
     ``q_side``: q, do, lse, delta."""
     q_ptr, do_ptr, lse_ptr, delta_ptr = q_side
     ids_base, stride_kind = rule[0], rule[1]  # (the rest goes on to _visible)
-    DOT_PRECISION: tl.constexpr = LOGITS[4]
-    BQ: tl.constexpr = SHAPE[6]
-    EVEN_S: tl.constexpr = SHAPE[8]
-    EVEN_T: tl.constexpr = SHAPE[9]
+    DOT_PRECISION: tl.constexpr = LOGITS.DOT_PRECISION
+    BQ: tl.constexpr = SHAPE.BQ
+    EVEN_S: tl.constexpr = SHAPE.EVEN_S
+    EVEN_T: tl.constexpr = SHAPE.EVEN_T
     for i in range(count):
         qb = _clamp(tl.load(list_ptr + i), n_blocks - 1)
         offs_m = qb * BQ + tl.arange(0, BQ)
         q, do, lse, delta, q_seg, q_pos = _bwd_q_side(
             q_ptr, do_ptr, lse_ptr, delta_ptr, ids_base, stride_kind, i_bh64, offs_m, T, SHAPE,
-            RULE[0], RULE[1] or RULE[2])
+            RULE.HAS_SEGMENTS, RULE.IS_CAUSAL or RULE.HAS_WINDOW)
         p, _, ds = _bwd_tile(q, k, v, do, lse, delta, offs_m, offs_n, q_seg, q_pos, rule, bias,
                              T, S, LOGITS, RULE, MASKED, EVEN_T, EVEN_S, SAFE)
         dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PRECISION)
@@ -658,24 +680,27 @@ def _dkv_heads(k, v, offs_n, i_b, i_kvh, i_n, q_side, rule, bias, lists, sizes,
     """dK, dV of one key block over the query heads it serves: partial tiles, then full
     ones."""
     T, S, n_q_blocks, n_kv_blocks = sizes
-    H: tl.constexpr = SHAPE[0]
-    G: tl.constexpr = SHAPE[1]
-    BD: tl.constexpr = SHAPE[4]
-    BDV: tl.constexpr = SHAPE[5]
-    BK: tl.constexpr = SHAPE[7]
+    H: tl.constexpr = SHAPE.H
+    G: tl.constexpr = SHAPE.G
+    BD: tl.constexpr = SHAPE.BD
+    BDV: tl.constexpr = SHAPE.BDV
+    BK: tl.constexpr = SHAPE.BK
     dk = tl.zeros([BK, BD], tl.float32)
     dv = tl.zeros([BK, BDV], tl.float32)
     for g in range(G):  # the query heads this key/value head serves
         i_h = i_kvh * G + g
         i_bh64 = (i_b * H + i_h).to(tl.int64)
         tile_rule, tile_bias = _head(rule, bias, i_b, i_h)
-        # (the transposed lists: per key block, its query blocks)
-        partial, n_partial = _block_list(lists, i_b, i_h, i_n, n_kv_blocks, n_q_blocks, False)
+        # the transposed lists: per key block, its query blocks
+        partial, n_partial = _block_list(lists, i_b, i_h, i_n, n_kv_blocks, n_q_blocks,
+                                         False)
         dk, dv = _dkv_tiles(dk, dv, k, v, offs_n, partial, n_partial, n_q_blocks, i_bh64,
-                            q_side, tile_rule, tile_bias, T, S, LOGITS, RULE, SHAPE, True, SAFE)
+                            q_side, tile_rule, tile_bias, T, S, LOGITS, RULE, SHAPE, True,
+                            SAFE)
         full, n_full = _block_list(lists, i_b, i_h, i_n, n_kv_blocks, n_q_blocks, True)
-        dk, dv = _dkv_tiles(dk, dv, k, v, offs_n, full, n_full, n_q_blocks, i_bh64, q_side,
-                            tile_rule, tile_bias, T, S, LOGITS, RULE, SHAPE, False, False)
+        dk, dv = _dkv_tiles(dk, dv, k, v, offs_n, full, n_full, n_q_blocks, i_bh64,
+                            q_side, tile_rule, tile_bias, T, S, LOGITS, RULE, SHAPE,
+                            False, False)
     return dk, dv
 
 
@@ -687,14 +712,14 @@ def _dkv_program(i_n, i_bkv, tensors, rule, bias, lists, sizes, LOGITS: tl.const
     transposed ones (per key block, the query blocks)."""
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr = tensors
     T, S, n_q_blocks, n_kv_blocks = sizes
-    SCALE: tl.constexpr = LOGITS[0]
-    H: tl.constexpr = SHAPE[0]
-    G: tl.constexpr = SHAPE[1]
-    D: tl.constexpr = SHAPE[2]
-    DV: tl.constexpr = SHAPE[3]
-    BD: tl.constexpr = SHAPE[4]
-    BDV: tl.constexpr = SHAPE[5]
-    BK: tl.constexpr = SHAPE[7]
+    SCALE: tl.constexpr = LOGITS.SCALE
+    H: tl.constexpr = SHAPE.H
+    G: tl.constexpr = SHAPE.G
+    D: tl.constexpr = SHAPE.D
+    DV: tl.constexpr = SHAPE.DV
+    BD: tl.constexpr = SHAPE.BD
+    BDV: tl.constexpr = SHAPE.BDV
+    BK: tl.constexpr = SHAPE.BK
     H_KV: tl.constexpr = H // G
     i_b, i_kvh = i_bkv // H_KV, i_bkv % H_KV
     i_bkv64 = i_bkv.to(tl.int64)
@@ -706,8 +731,9 @@ def _dkv_program(i_n, i_bkv, tensors, rule, bias, lists, sizes, LOGITS: tl.const
                 mask=in_kv[:, None] & (offs_d < D)[None, :], other=0.0)
     v = tl.load(v_ptr + i_bkv64 * S * DV + offs_n[:, None] * DV + offs_dv[None, :],
                 mask=in_kv[:, None] & (offs_dv < DV)[None, :], other=0.0)
-    dk, dv = _dkv_heads(k, v, offs_n, i_b, i_kvh, i_n, (q_ptr, do_ptr, lse_ptr, delta_ptr),
-                        rule, bias, lists, sizes, LOGITS, RULE, SHAPE, SAFE)
+    q_side = (q_ptr, do_ptr, lse_ptr, delta_ptr)
+    dk, dv = _dkv_heads(k, v, offs_n, i_b, i_kvh, i_n, q_side, rule, bias, lists, sizes,
+                        LOGITS, RULE, SHAPE, SAFE)
     kv_rows = in_kv[:, None]
     tl.store(dk_ptr + i_bkv64 * S * D + offs_n[:, None] * D + offs_d[None, :],
              (dk * SCALE).to(dk_ptr.dtype.element_ty),
@@ -729,16 +755,9 @@ def _attention_dkv_kernel(
     stride_bt, stride_bs, stride_bm_b, stride_bm_h, n_programs,
     # outputs
     dk_ptr, dv_ptr, flag_ptr,
-    # shapes and features
-    SCALE: tl.constexpr, SOFT_CAP: tl.constexpr, H: tl.constexpr, G: tl.constexpr,
-    D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
-    BQ: tl.constexpr, BK: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr,
-    CLAUSE2: tl.constexpr,
-    HAS_SEGMENTS2: tl.constexpr, IS_CAUSAL2: tl.constexpr, HAS_WINDOW2: tl.constexpr,
-    HAS_BIAS: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    EVEN_S: tl.constexpr, EVEN_T: tl.constexpr, OPTIMISTIC: tl.constexpr, RETRY: tl.constexpr,
-    SCAN: tl.constexpr, ROWS: tl.constexpr,
+    # compile-time: as the forward's
+    LOGITS: tl.constexpr, RULE: tl.constexpr, SHAPE: tl.constexpr,
+    OPTIMISTIC: tl.constexpr, RETRY: tl.constexpr, SCAN: tl.constexpr, ROWS: tl.constexpr,
 ):
     # Key blocks in order (see _walk). A retry takes all query heads again, from zero: a copy
     # of dK kept for a rerun of one head's partial tiles held registers and cost 5 % of a
@@ -751,10 +770,7 @@ def _attention_dkv_kernel(
            (t_partial_count_ptr, t_partial_index_ptr, t_full_count_ptr, t_full_index_ptr,
             stride_bm_b, stride_bm_h),
            (T, S, n_q_blocks, n_kv_blocks),
-           (SCALE, SOFT_CAP, USE_SOFTCAP, HAS_BIAS, DOT_PRECISION),
-           (HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2, HAS_SEGMENTS2,
-            IS_CAUSAL2, HAS_WINDOW2),
-           (H, G, D, DV, BD, BDV, BQ, BK, EVEN_S, EVEN_T)),
+           LOGITS, RULE, SHAPE),
           n_kv_blocks, n_programs, retry_ptr, flag_ptr, False, OPTIMISTIC, RETRY, SCAN, ROWS)
 
 
@@ -763,15 +779,15 @@ def _dq_tiles(dq, q, do, lse, delta, offs_m, q_seg, q_pos, list_ptr, count, n_bl
               v_base, dbias_base, rule, bias, T, S, LOGITS: tl.constexpr, RULE: tl.constexpr,
               SHAPE: tl.constexpr, MASKED: tl.constexpr, SAFE: tl.constexpr):
     """Accumulate dQ of one query block over ``count`` key blocks (and write dbias tiles)."""
-    HAS_BIAS: tl.constexpr = LOGITS[3]
-    DOT_PRECISION: tl.constexpr = LOGITS[4]
-    D: tl.constexpr = SHAPE[2]
-    DV: tl.constexpr = SHAPE[3]
-    BD: tl.constexpr = SHAPE[4]
-    BDV: tl.constexpr = SHAPE[5]
-    BK: tl.constexpr = SHAPE[7]
-    EVEN_S: tl.constexpr = SHAPE[8]
-    EVEN_T: tl.constexpr = SHAPE[9]
+    HAS_BIAS: tl.constexpr = LOGITS.HAS_BIAS
+    DOT_PRECISION: tl.constexpr = LOGITS.DOT_PRECISION
+    D: tl.constexpr = SHAPE.D
+    DV: tl.constexpr = SHAPE.DV
+    BD: tl.constexpr = SHAPE.BD
+    BDV: tl.constexpr = SHAPE.BDV
+    BK: tl.constexpr = SHAPE.BK
+    EVEN_S: tl.constexpr = SHAPE.EVEN_S
+    EVEN_T: tl.constexpr = SHAPE.EVEN_T
     offs_d = tl.arange(0, BD)
     offs_dv = tl.arange(0, BDV)
     for i in range(count):
@@ -797,14 +813,14 @@ def _dq_program(i_m, i_bh, tensors, rule, bias, lists, sizes, LOGITS: tl.constex
     stored; ``dq`` returned. ``tensors``: q, k, v, do, lse, delta, dq, dbias."""
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dbias_ptr = tensors
     T, S, n_q_blocks, n_kv_blocks = sizes
-    SCALE: tl.constexpr = LOGITS[0]
-    H: tl.constexpr = SHAPE[0]
-    G: tl.constexpr = SHAPE[1]
-    D: tl.constexpr = SHAPE[2]
-    DV: tl.constexpr = SHAPE[3]
-    BD: tl.constexpr = SHAPE[4]
-    BDV: tl.constexpr = SHAPE[5]
-    BQ: tl.constexpr = SHAPE[6]
+    SCALE: tl.constexpr = LOGITS.SCALE
+    H: tl.constexpr = SHAPE.H
+    G: tl.constexpr = SHAPE.G
+    D: tl.constexpr = SHAPE.D
+    DV: tl.constexpr = SHAPE.DV
+    BD: tl.constexpr = SHAPE.BD
+    BDV: tl.constexpr = SHAPE.BDV
+    BQ: tl.constexpr = SHAPE.BQ
     i_b, i_h = i_bh // H, i_bh % H
     i_bh64 = i_bh.to(tl.int64)
     i_kvh64 = (i_b * (H // G) + i_h // G).to(tl.int64)
@@ -813,7 +829,7 @@ def _dq_program(i_m, i_bh, tensors, rule, bias, lists, sizes, LOGITS: tl.constex
     tile_rule, tile_bias = _head(rule, bias, i_b, i_h)
     q, do, lse, delta, q_seg, q_pos = _bwd_q_side(
         q_ptr, do_ptr, lse_ptr, delta_ptr, tile_rule[0], tile_rule[1], i_bh64, offs_m, T,
-        SHAPE, RULE[0], RULE[1] or RULE[2])
+        SHAPE, RULE.HAS_SEGMENTS, RULE.IS_CAUSAL or RULE.HAS_WINDOW)
     k_base = k_ptr + i_kvh64 * S * D
     v_base = v_ptr + i_kvh64 * S * DV
     dbias_base = dbias_ptr + i_bh64 * T * S
@@ -844,15 +860,9 @@ def _attention_dq_kernel(
     stride_bs, stride_bm_b, stride_bm_h, n_programs,
     # outputs
     dq_ptr, dbias_ptr, flag_ptr,
-    # shapes and features
-    SCALE: tl.constexpr, SOFT_CAP: tl.constexpr, H: tl.constexpr, G: tl.constexpr,
-    D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BQ: tl.constexpr,
-    BK: tl.constexpr, HAS_SEGMENTS: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr, CLAUSE2: tl.constexpr,
-    HAS_SEGMENTS2: tl.constexpr, IS_CAUSAL2: tl.constexpr, HAS_WINDOW2: tl.constexpr,
-    HAS_BIAS: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    EVEN_S: tl.constexpr, EVEN_T: tl.constexpr, OPTIMISTIC: tl.constexpr, RETRY: tl.constexpr,
-    SCAN: tl.constexpr, ROWS: tl.constexpr,
+    # compile-time: as the forward's
+    LOGITS: tl.constexpr, RULE: tl.constexpr, SHAPE: tl.constexpr,
+    OPTIMISTIC: tl.constexpr, RETRY: tl.constexpr, SCAN: tl.constexpr, ROWS: tl.constexpr,
 ):
     # Query blocks in reverse order, as in the forward (see _walk).
     _walk(_dq_program,
@@ -863,10 +873,7 @@ def _attention_dq_kernel(
            (partial_count_ptr, partial_index_ptr, full_count_ptr, full_index_ptr, stride_bm_b,
             stride_bm_h),
            (T, S, n_q_blocks, n_kv_blocks),
-           (SCALE, SOFT_CAP, USE_SOFTCAP, HAS_BIAS, DOT_PRECISION),
-           (HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW, HAS_TOKEN_MASK, CLAUSE2, HAS_SEGMENTS2,
-            IS_CAUSAL2, HAS_WINDOW2),
-           (H, G, D, DV, BD, BDV, BQ, BK, EVEN_S, EVEN_T)),
+           LOGITS, RULE, SHAPE),
           n_q_blocks, n_programs, retry_ptr, flag_ptr, True, OPTIMISTIC, RETRY, SCAN, ROWS)
 
 
@@ -952,15 +959,15 @@ def _common(static: _Static, q, k, v, bias, rule, mask: BlockMask, blocks: Block
     scalars = [*_window(static.window), *_window(window2), T, S, mask.kinds.shape[2],
                mask.kinds.shape[3], *rule_strides, *bias_strides, *_mask_strides(mask)]
     meta = dict(
-        SCALE=float(static.scale), SOFT_CAP=soft_cap, H=H, G=H // H_kv, D=D, DV=DV, BD=_pow2(D),
-        BDV=_pow2(DV), BQ=blocks.block_q, BK=blocks.block_kv,
-        HAS_SEGMENTS=static.has_segments, IS_CAUSAL=static.causal,
-        HAS_WINDOW=static.window is not None, HAS_TOKEN_MASK=static.has_token_mask,
-        CLAUSE2=0 if static.clause2 is None else 1 if op2 == "and" else 2,
-        HAS_SEGMENTS2=segments2, IS_CAUSAL2=causal2, HAS_WINDOW2=window2 is not None,
-        HAS_BIAS=bias is not None, USE_SOFTCAP=static.soft_cap is not None,
-        DOT_PRECISION=blocks.float32_dot if q.dtype == jnp.float32 else "tf32",  # 16-bit: unused
-        EVEN_S=S % blocks.block_kv == 0, EVEN_T=T % blocks.block_q == 0,
+        LOGITS=_Logits(
+            float(static.scale), soft_cap, static.soft_cap is not None, bias is not None,
+            blocks.float32_dot if q.dtype == jnp.float32 else "tf32"),  # 16-bit: unused
+        RULE=_Rule(
+            static.has_segments, static.causal, static.window is not None,
+            static.has_token_mask, 0 if static.clause2 is None else 1 if op2 == "and" else 2,
+            segments2, causal2, window2 is not None),
+        SHAPE=_Shape(H, H // H_kv, D, DV, _pow2(D), _pow2(DV), blocks.block_q, blocks.block_kv,
+                     S % blocks.block_kv == 0, T % blocks.block_q == 0),
         OPTIMISTIC=_optimistic(q.dtype),
         num_warps=blocks.num_warps, num_stages=blocks.num_stages,
     )
@@ -1010,7 +1017,8 @@ def _fwd(static: _Static, q, k, v, sinks, bias, rule, mask: BlockMask):
         _attention_fwd_kernel,
         [q, k, v, *rule_args, sink_arg, mask.partial_count, mask.partial_index,
          mask.full_count, mask.full_index], scalars,
-        [jax.ShapeDtypeStruct((B, H, T, DV), q.dtype), jax.ShapeDtypeStruct((B, H, T), jnp.float32)],
+        [jax.ShapeDtypeStruct((B, H, T, DV), q.dtype),
+         jax.ShapeDtypeStruct((B, H, T), jnp.float32)],
         (mask.kinds.shape[2], B * H), static.fwd.block_q,
         dict(meta, HAS_SINKS=sinks is not None))
 
