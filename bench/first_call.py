@@ -22,8 +22,9 @@ times, as ``bench/attention_fp32.py`` does:
   past bf16's tolerance (``ejk_lite.testing``, the tests' own).
 
 ``fwd``: the output; ``fwd+bwd``: ``jax.vjp`` of the output with a random cotangent, gradients of
-every differentiable input. The parent writes ``first_call.json`` after every case (rows in the
-common schema with ``first_s``, ``second_s``, ``phases``; a failed case has its ``error``), and
+every differentiable input. The parent writes ``first_call.json`` after every case (``cases``,
+rows of the common schema with ``first_s``, ``second_s``, ``phases``, but no device time, so not
+``rows``, which the *Performance* chapter charts; a failed case has its ``error``), and
 exits 1 if any case failed or ran past ``--case-timeout-s``. Cases left when ``--budget-s`` is
 spent are listed in ``not_run`` (the defaults, 400 s and 150 s a case, end a run within ~560 s,
 the limit ``bench/gpu_check.py benches`` gives a script). Children run one at a time: with
@@ -328,7 +329,7 @@ def main() -> int:
             tolerance={"out": common.tolerance(DTYPE),
                        "gradient": common.tolerance(DTYPE, gradient=True)},
             failures=run.failures, passed=not run.failures,
-            not_run=run.not_run, rows=rows,
+            not_run=run.not_run, cases=rows,  # not "rows": no device time for the charts
             notes="Each (op, direction) in a fresh process: empty Triton cache, no JAX "
                   "compilation cache. first_s: wall time of the first call (trace, Triton's "
                   "compiles, XLA's compile, ptxas, autotuning, the run) until "
