@@ -37,8 +37,13 @@ exponent here is the decay over a span of tokens *in walking order*, never posit
   ``I``: ``exp(G_i - G_j) = exp(G_i - G_b) * exp(G_b - G_j)`` with ``j <= b < i``, both factors
   at most 1, so ``A_IJ = (q_I exp(G_I - G_b)) (k_J exp(G_b - G_J))^T`` is a matrix product
   again. On the diagonal sub-chunks (``i`` and ``j`` in the same 16 tokens) there is no such
-  ``b``: the ``16 x 16 x BK`` terms are computed elementwise, ``exp(where(i >= j, G_i - G_j,
-  -inf))``.
+  ``b``: the ``16 x 16 x BK`` terms are computed elementwise, one key column ``j`` of every
+  sub-chunk at a time, with ``exp(G_i - G_j)`` for ``i >= j`` only (the other rows are masked
+  out, their exponent held at 0).
+
+The chunk-level decays the states and the output need (``q exp(G)``, ``k exp(Gamma - G)``,
+``Gamma``) come out of the same sums, so with a per-key gate the forward's attention kernel writes
+them and the states and output kernels read no gates.
 
 **Accuracy.** ``G_i - G_j`` written as a difference of two cumulative sums carries the rounding
 error of ``|G|`` (a thousand, for strong decays) into an exponent that may be near 0: measured,
@@ -46,9 +51,9 @@ that lost two orders of magnitude (2e-6 against the 8e-8 of the token-by-token w
 -15 per token, C = 64). So the kernels take the per-token log-decays ``a`` themselves and form each
 exponent as a *direct* sum over exactly the tokens it spans: the cumulative sum of the chunk's
 rows from its start, a reverse one of the rows shifted by one for the span to its end, sums
-of whole sub-chunks for the spans between two sub-chunks, and, on the diagonal blocks, a
-cumulative sum over ``i`` of ``a_s [s > j]`` for every pair. With ``a <= 0`` such sums never
-cancel. Rows outside the sequence (a short chunk) read ``a = 0``: no decay, so the sums cover
+of whole sub-chunks for the spans between two sub-chunks, and, on the diagonal blocks, for every
+pair ``j <= i`` the sum over ``(j, i]`` grown one token at a time (one key column per step, every
+row adding the token after that column). With ``a <= 0`` such sums never cancel. Rows outside the sequence (a short chunk) read ``a = 0``: no decay, so the sums cover
 exactly the tokens inside it.
 
 **Backward.** Write ``D`` for the gradient reaching ``H_next`` (one walk over the chunks in the
@@ -84,21 +89,24 @@ key/value gradients are computed per query head and summed over the group.
 
 Kernels (``BT`` = chunk size, ``N`` sequences, ``NT`` chunk slots per batch row):
 
-==================  =====================  ===================================================
-kernel              grid                   computes
-==================  =====================  ===================================================
-_states_kernel      (V/BV, K/BK, N * H)    walks the chunks: H at every chunk's start, final
-                                           state (forward; again in the backward)
-_attention_kernel   (BT/BC, NT, B * H)     A, the masked intra-chunk attention [BT, BT]
-_output_kernel      (V/BV, NT, B * H)      o = scale (q exp(G)) H + A v
-_state_grads_kernel (V/BV, K/BK, N * H)    walks the chunks backwards: D for every chunk,
-                                           d initial_state
-_dA_kernel          (NT, B * H)            dA = do v^T (masked); the scalar gate's intra dG
-_intra_grads_kernel (K/BK * BT/BC, NT, BH) per-key gates only: dq, dk, dG inside the chunk
-_dv_kernel          (V/BV, NT, B * H)      dv = A^T do + (k exp(Gamma - G)) D
-_inter_grads_kernel (K/BK, NT, B * H)      dq, dk, dG: the state terms, plus the intra-chunk
-                                           ones (computed here for scalar gates)
-==================  =====================  ===================================================
+====================  =====================  ===================================================
+kernel                grid                   computes
+====================  =====================  ===================================================
+_states_kernel        (V/BV, K/BK, N * H)    walks the chunks: H at every chunk's start, final
+                                             state (forward; again in the backward)
+_attention_kernel     (NT, B * H)            A, the masked intra-chunk attention [BT, BT]
+                                             (scalar gate or none)
+_gk_attention_kernel  (NT, B * H)            the same with a per-key gate, and q exp(G),
+                                             k exp(Gamma - G), Gamma for the states and output
+_output_kernel        (V/BV, NT, B * H)      o = scale (q exp(G)) H + A v
+_state_grads_kernel   (V/BV, K/BK, N * H)    walks the chunks backwards: D for every chunk,
+                                             d initial_state
+_dA_kernel            (NT, B * H)            dA = do v^T (masked); the scalar gate's intra dG
+_intra_grads_kernel   (K/BK * BT/BC, NT, BH)  per-key gates only: dq, dk, dG inside the chunk
+_dv_kernel            (V/BV, NT, B * H)      dv = A^T do + (k exp(Gamma - G)) D
+_inter_grads_kernel   (K/BK, NT, B * H)      dq, dk, dG: the state terms, plus the intra-chunk
+                                             ones (computed here for scalar gates)
+====================  =====================  ===================================================
 """
 
 from __future__ import annotations
@@ -320,9 +328,17 @@ def _prefix_sum(x, REVERSE: tl.constexpr):
     these two TF32 products 6.6 ms, one TF32 product (too coarse) 5.2 ms. A scalar gate needs no
     tile: :func:`_vector_prefix_sum` (its forward + backward: 7.3 ms with ``ieee`` tiles, 2.0 ms
     with vectors)."""
-    tri = _triangle(x.shape[0], REVERSE).to(tl.float32)
+    return _masked_row_sums(_triangle(x.shape[0], REVERSE), x)
+
+
+@triton.jit
+def _masked_row_sums(keep, x):
+    """``sum_s x[s] [keep[i, s]]`` for every row ``i``: the rows of ``x`` [rows, cols] that the
+    boolean ``[rows, rows]`` matrix ``keep`` picks, summed directly, as two TF32 products with
+    ``keep``'s zeros and ones (see :func:`_prefix_sum` for the split)."""
+    m = keep.to(tl.float32)
     hi = (x.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)  # 13 low bits cleared
-    return tl.dot(tri, x - hi, acc=tl.dot(tri, hi, input_precision="tf32"), input_precision="tf32")
+    return tl.dot(m, x - hi, acc=tl.dot(m, hi, input_precision="tf32"), input_precision="tf32")
 
 
 @triton.jit
@@ -433,10 +449,11 @@ def _states_kernel(
     H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, USE_GK: tl.constexpr, HAS_H0: tl.constexpr,
-    REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr, F32_DOT: tl.constexpr,
+    REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr, F32_DOT: tl.constexpr, DECAYED: tl.constexpr,
 ):
     # One program: a [BK, BV] tile of one query head's state, carried in fp32 through the chunks
-    # of one sequence. Each step is one [BK, BT] x [BT, BV] product.
+    # of one sequence. Each step is one [BK, BT] x [BT, BV] product. DECAYED: k is already
+    # k exp(Gamma - G), per query head (_gk_attention_kernel's), and a holds Gamma per chunk slot.
     i_v, i_k, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_h = i_nh // H, i_nh % H
     i_kv = i_h // (H // H_KV)
@@ -461,9 +478,13 @@ def _states_kernel(
         tl.store(states + (slot * H + i_h) * K * V + state_tile, h.to(states.dtype.element_ty), mask=mask_h)
 
         tok, valid = _rows(r, i_c, start, end, row_base, BT, REVERSE)
-        b_k = _load_rows(k + i_kv * K, tok, valid, offs_k, mask_k, H_KV * K)
         b_v = _load_rows(v + i_kv * V, tok, valid, offs_v, mask_v, H_KV * V)
-        if USE_G:
+        if DECAYED:
+            b_k = _load_rows(k + i_h * K, tok, valid, offs_k, mask_k, H * K)
+            h = h * tl.exp(tl.load(a + (slot * H + i_h) * K + offs_k, mask=mask_k, other=0.0))[:, None]
+        else:
+            b_k = _load_rows(k + i_kv * K, tok, valid, offs_k, mask_k, H_KV * K)
+        if USE_G and not DECAYED:
             _, to_end, total = _chunk_decays(a, r, i_c, start, end, row_base, i_h, offs_k, mask_k, H, K, BT,
                                              USE_GK, REVERSE)
             # k_j exp(Gamma - G_j): the decay from token j to the chunk's end, <= 1.
@@ -479,14 +500,54 @@ def _attention_kernel(
     q, k, a, cu_seqlens, chunk_indices, T, num_seqs,
     A,  # output [B * T, H, BT] fp32: row = token, column = walking index of the key in its chunk
     H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, SCALE: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    USE_G: tl.constexpr, USE_GK: tl.constexpr, REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr,
-    F32_DOT: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr,
+    USE_G: tl.constexpr, REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr, F32_DOT: tl.constexpr,
 ):
-    # One program: the rows of one sub-chunk I (BC queries) against every key of the chunk. With
-    # a scalar gate (or none) BC = BT: one program per chunk, one [BT, BK] x [BK, BT] product per
-    # K tile and the decay matrix applied after.
-    i_ci, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # Scalar gate or none. One program per chunk: one [BT, BK] x [BK, BT] product per K tile and
+    # the decay matrix applied after.
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    i_kv = i_h // (H // H_KV)
+    i_c, start, end = _chunk_of_program(cu_seqlens, chunk_indices, i_t, T, num_seqs, IS_VARLEN)
+    if start + i_c * BT >= end:
+        return
+    row_base = i_b.to(tl.int64) * T
+    r = tl.arange(0, BT)
+    tok, valid = _rows(r, i_c, start, end, row_base, BT, REVERSE)
+
+    b_a = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in range(0, tl.cdiv(K, BK)):
+        offs_k = i_k * BK + tl.arange(0, BK)
+        mask_k = offs_k < K
+        b_q = _load_rows(q + i_h * K, tok, valid, offs_k, mask_k, H * K)
+        b_k = _load_rows(k + i_kv * K, tok, valid, offs_k, mask_k, H_KV * K)
+        b_a += tl.dot(b_q, tl.trans(b_k.to(b_q.dtype)), input_precision=F32_DOT)
+    if USE_G:
+        b_a *= _decay_matrix(tl.load(a + tok * H + i_h, mask=valid, other=0.0), False)
+    else:
+        b_a = tl.where(r[:, None] >= r[None, :], b_a, 0.0)
+    tl.store(A + (tok[:, None] * H + i_h) * BT + r[None, :], b_a * SCALE, mask=valid[:, None])
+
+
+@triton.jit
+def _gk_attention_kernel(
+    q, k, a, cu_seqlens, chunk_indices, T, NT_SLOTS, num_seqs,
+    # outputs: A [B * T, H, BT] fp32 as _attention_kernel's; q exp(G) and k exp(Gamma - G)
+    # [B * T, H, K] in the query's dtype; Gamma [B * NT_SLOTS, H, K] fp32
+    A, qd, kd, gamma,
+    H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, SCALE: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+    REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr, F32_DOT: tl.constexpr,
+):
+    # Per-key gate. One program per chunk, every sub-chunk of it, a loop over K tiles; each tile
+    # of q, k and a is loaded once and every log-decay is formed once per tile. Its sums also give
+    # the chunk-level decays that the states and the output need, so it writes the decayed q and
+    # k and Gamma for them: they then read neither the gates nor sum anything. (The kernel this
+    # replaced ran a program per sub-chunk and formed each sub-chunk's sums again for every pair
+    # of sub-chunks and every K tile, and the diagonal blocks as [BC, BC, BK] tiles whose sums
+    # were a [BC, BC * BK] product: 2.47 ms of forward on the H100 at B4 T4096 H16 K=V=128, against
+    # 0.45 ms with a scalar gate.)
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     i_kv = i_h // (H // H_KV)
     i_c, start, end = _chunk_of_program(cu_seqlens, chunk_indices, i_t, T, num_seqs, IS_VARLEN)
@@ -494,61 +555,74 @@ def _attention_kernel(
         return
     row_base = i_b.to(tl.int64) * T
     NC: tl.constexpr = BT // BC
-    c = tl.arange(0, BC)
-    tok_i, valid_i = _rows(i_ci * BC + c, i_c, start, end, row_base, BT, REVERSE)
-    a_rows = A + (tok_i[:, None] * H + i_h) * BT
-    store_mask = valid_i[:, None]
+    r = tl.arange(0, BT)
+    sub, local = r // BC, r % BC  # each row's sub-chunk, and its row within it
+    tok, valid = _rows(r, i_c, start, end, row_base, BT, REVERSE)
+    cols = tl.arange(0, BC)
 
-    b_a = tl.zeros([BC, BC], dtype=tl.float32)
-    if USE_GK:
-        # Earlier sub-chunks J < I. With b the boundary between I and the sub-chunk before it,
-        # exp(G_i - G_j) = exp(G_i - G_b) exp(G_b - G_j): the decay from I's start to i, and from
-        # j to I's start (the rest of J, then the sub-chunks in between); both factors <= 1.
-        for i_cj in range(0, i_ci):
-            b_a = tl.zeros([BC, BC], dtype=tl.float32)
-            for i_k in range(0, tl.cdiv(K, BK)):
-                offs_k = i_k * BK + tl.arange(0, BK)
-                mask_k = offs_k < K
-                _, _, _, from_start_i, _ = _sub_chunk_decays(a, i_ci, i_c, start, end, row_base, i_h, offs_k,
-                                                             mask_k, H, K, BT, BC, REVERSE)
-                tok_j, valid_j, _, _, to_end_j = _sub_chunk_decays(a, i_cj, i_c, start, end, row_base, i_h,
-                                                                   offs_k, mask_k, H, K, BT, BC, REVERSE)
-                between = _span_decay(a, (i_cj + 1) * BC, i_ci * BC, i_c, start, end, row_base, i_h, offs_k,
-                                      mask_k, H, K, BT, REVERSE)
-                b_q = _load_rows(q + i_h * K, tok_i, valid_i, offs_k, mask_k, H * K).to(tl.float32)
-                b_k = _load_rows(k + i_kv * K, tok_j, valid_j, offs_k, mask_k, H_KV * K).to(tl.float32)
-                b_qg = b_q * tl.exp(from_start_i)
-                b_kg = b_k * tl.exp(to_end_j + between[None, :])
-                b_a += tl.dot(b_qg, tl.trans(b_kg), input_precision=F32_DOT)
-            tl.store(a_rows + i_cj * BC + c[None, :], b_a * SCALE, mask=store_mask)
+    b_off = tl.zeros([BT, BT], dtype=tl.float32)   # blocks of earlier sub-chunks
+    b_diag = tl.zeros([BT, BC], dtype=tl.float32)  # row i: the columns of i's own sub-chunk
+    for i_k in range(0, tl.cdiv(K, BK)):
+        offs_k = i_k * BK + tl.arange(0, BK)
+        mask_k = offs_k < K
+        b_q = _load_rows(q + i_h * K, tok, valid, offs_k, mask_k, H * K).to(tl.float32)
 
-        # The diagonal sub-chunk, elementwise per column of K: exp(sum of a over (j, i]).
-        b_a = tl.zeros([BC, BC], dtype=tl.float32)
-        for i_k in range(0, tl.cdiv(K, BK)):
-            offs_k = i_k * BK + tl.arange(0, BK)
-            mask_k = offs_k < K
-            _, _, b_g, _, _ = _sub_chunk_decays(a, i_ci, i_c, start, end, row_base, i_h, offs_k, mask_k, H, K,
-                                                BT, BC, REVERSE)
-            b_q = _load_rows(q + i_h * K, tok_i, valid_i, offs_k, mask_k, H * K).to(tl.float32)
-            b_k = _load_rows(k + i_kv * K, tok_i, valid_i, offs_k, mask_k, H_KV * K).to(tl.float32)
-            b_a += tl.sum(b_q[:, None, :] * b_k[None, :, :] * _diagonal_decay(b_g, False), axis=2)
-    else:
-        for i_k in range(0, tl.cdiv(K, BK)):
-            offs_k = i_k * BK + tl.arange(0, BK)
-            mask_k = offs_k < K
-            b_q = _load_rows(q + i_h * K, tok_i, valid_i, offs_k, mask_k, H * K)
-            b_k = _load_rows(k + i_kv * K, tok_i, valid_i, offs_k, mask_k, H_KV * K)
-            b_a += tl.dot(b_q, tl.trans(b_k.to(b_q.dtype)), input_precision=F32_DOT)
-        if USE_G:
-            b_g = tl.load(a + tok_i * H + i_h, mask=valid_i, other=0.0)
-            b_a *= _decay_matrix(b_g, False)
-        else:
-            b_a = tl.where(c[:, None] >= c[None, :], b_a, 0.0)
-    tl.store(a_rows + i_ci * BC + c[None, :], b_a * SCALE, mask=store_mask)
+        # The diagonal blocks, one key column j (of every sub-chunk at once) at a time, from the
+        # last: each step reads row j + 1 of every sub-chunk and adds it to the sums that span
+        # it, so every sum of a is direct (never a difference) and costs one addition a step:
+        #   span  over (j, i], the diagonal block's exponent (rows i < j keep 0, masked out);
+        #   after over (j, the sub-chunk's end], kept in row j: the exponent of j as a key of a
+        #         later sub-chunk.
+        span = tl.zeros([BT, BK], dtype=tl.float32)
+        run = tl.zeros([BT, BK], dtype=tl.float32)
+        after = tl.zeros([BT, BK], dtype=tl.float32)
+        for jj in range(0, BC):
+            j = BC - 1 - jj
+            tok_n, valid_n = _rows(sub * BC + j + 1, i_c, start, end, row_base, BT, REVERSE)
+            a_next = _load_gates(a, tok_n, valid_n & (j + 1 < BC), i_h, offs_k, mask_k, H, K)
+            run += a_next
+            span += tl.where((local > j)[:, None], a_next, 0.0)
+            after = tl.where((local == j)[:, None], run, after)
+            tok_j, valid_j = _rows(sub * BC + j, i_c, start, end, row_base, BT, REVERSE)
+            k_j = _load_rows(k + i_kv * K, tok_j, valid_j, offs_k, mask_k, H_KV * K).to(tl.float32)
+            term = tl.where((local >= j)[:, None], b_q * k_j * tl.exp(span), 0.0)
+            b_diag += tl.where(cols[None, :] == j, tl.sum(term, axis=1)[:, None], 0.0)
 
-    # Later sub-chunks: zero (A is lower-triangular in walking order).
-    for i_cj in range(i_ci + 1, NC):
-        tl.store(a_rows + i_cj * BC + c[None, :], tl.zeros([BC, BC], dtype=tl.float32), mask=store_mask)
+        # Queries in sub-chunk I, keys in an earlier J, b the boundary before I:
+        # exp(G_i - G_j) = exp(G_i - G_b) exp(G_b - G_j), both factors <= 1. The first is the sum
+        # from I's start to i (span plus the sub-chunk's first row); the second the sum from j
+        # to its sub-chunk's end (after) plus the whole of every sub-chunk between J and I,
+        # added one sub-chunk at a time as I moves on: sums of log-decays <= 0. The same walk
+        # adds up, for each row, the sub-chunks before its own (before).
+        tok_s, valid_s = _rows(sub * BC, i_c, start, end, row_base, BT, REVERSE)
+        from_start = span + _load_gates(a, tok_s, valid_s, i_h, offs_k, mask_k, H, K)
+        b_a = _load_gates(a, tok, valid, i_h, offs_k, mask_k, H, K)
+        b_k = _load_rows(k + i_kv * K, tok, valid, offs_k, mask_k, H_KV * K).to(tl.float32)
+        before = tl.zeros([BT, BK], dtype=tl.float32)
+        if NC > 1:
+            b_qg = b_q * tl.exp(from_start)
+            for i_ci in tl.static_range(1, NC):
+                passed = tl.sum(tl.where((sub == i_ci - 1)[:, None], b_a, 0.0), axis=0)
+                after = tl.where((sub < i_ci - 1)[:, None], after + passed[None, :], after)
+                before = tl.where((sub >= i_ci)[:, None], before + passed[None, :], before)
+                b_kg = tl.where((sub < i_ci)[:, None], b_k * tl.exp(after), 0.0)
+                b_qi = tl.where((sub == i_ci)[:, None], b_qg, 0.0)  # I's rows only
+                b_off = tl.dot(b_qi, tl.trans(b_kg), acc=b_off, input_precision=F32_DOT)
+            passed = tl.sum(tl.where((sub == NC - 1)[:, None], b_a, 0.0), axis=0)
+            after = tl.where((sub < NC - 1)[:, None], after + passed[None, :], after)
+        # From the chunk's start to i, and from j to the chunk's end: q exp(G), k exp(Gamma - G),
+        # rounded to the input dtype, as the states and the output multiply them.
+        out = (tok[:, None] * H + i_h) * K + offs_k[None, :]
+        out_mask = valid[:, None] & mask_k[None, :]
+        tl.store(qd + out, (b_q * tl.exp(from_start + before)).to(qd.dtype.element_ty), mask=out_mask)
+        tl.store(kd + out, (b_k * tl.exp(after)).to(kd.dtype.element_ty), mask=out_mask)
+        slot = i_b.to(tl.int64) * NT_SLOTS + i_t
+        tl.store(gamma + (slot * H + i_h) * K + offs_k, tl.sum(b_a, axis=0), mask=mask_k)
+
+    a_rows = A + (tok[:, None] * H + i_h) * BT
+    # Later sub-chunks are zero (A is lower-triangular in walking order), as b_off holds them.
+    tl.store(a_rows + r[None, :], b_off * SCALE, mask=valid[:, None] & (sub[:, None] != sub[None, :]))
+    tl.store(a_rows + (sub * BC)[:, None] + cols[None, :], b_diag * SCALE, mask=valid[:, None])
 
 
 @triton.jit
@@ -923,8 +997,12 @@ def _dot_precision(dtype, config: ChunkedConfig) -> str:
     return config.float32_dot if jnp.dtype(dtype) == jnp.float32 else "tf32"
 
 
-def _run_states(static, num_heads, k, v, a, h0, cu, chunk_offsets, per_row, slots, flags, state_dtype):
-    batch, seq_len, num_kv_heads, key_dim = k.shape
+def _run_states(static, num_heads, k, v, a, h0, cu, chunk_offsets, per_row, slots, flags, state_dtype,
+                decayed=False):
+    """The states at every chunk's start and the final state. ``decayed``: ``k`` is
+    _gk_attention_kernel's decayed k (per query head) and ``a`` its Gamma."""
+    batch, seq_len, _, key_dim = k.shape
+    num_kv_heads = v.shape[2]
     value_dim = v.shape[3]
     block_k, block_v = _fit(static.config.states, key_dim, value_dim)
     num_seqs = batch * per_row
@@ -937,7 +1015,7 @@ def _run_states(static, num_heads, k, v, a, h0, cu, chunk_offsets, per_row, slot
         num_warps=static.config.states.num_warps, num_stages=static.config.states.num_stages,
         H=num_heads, H_KV=num_kv_heads, K=key_dim, V=value_dim, BT=static.chunk_size, BK=block_k, BV=block_v,
         USE_G=flags["USE_G"], USE_GK=flags["USE_GK"], HAS_H0=h0 is not None, REVERSE=static.reverse,
-        IS_VARLEN=flags["IS_VARLEN"], F32_DOT=_dot_precision(k.dtype, static.config),
+        IS_VARLEN=flags["IS_VARLEN"], F32_DOT=_dot_precision(k.dtype, static.config), DECAYED=decayed,
     )
 
 
@@ -957,18 +1035,33 @@ def _forward_launch(static, query, key, value, a, h0, cu_seqlens):
     common = dict(H=num_heads, H_KV=num_kv_heads, K=key_dim, BT=bt, USE_G=flags["USE_G"], USE_GK=flags["USE_GK"],
                   REVERSE=static.reverse, IS_VARLEN=flags["IS_VARLEN"], F32_DOT=precision)
 
-    states, final_state = _run_states(static, num_heads, key, value, a, h0, cu, chunk_offsets, per_row, slots, flags,
-                                      _state_dtype(query.dtype))
-    sub = min(cfg.sub_chunk, bt) if flags["USE_GK"] else bt
     block_k, _ = _fit(cfg.attention, key_dim, value_dim)
-    A = triton_call(
-        query, key, _or_stand_in(a), cu, chunk_indices, seq_len, per_row,
-        kernel=_attention_kernel,
-        out_shape=jax.ShapeDtypeStruct((batch, seq_len, num_heads, bt), jnp.float32),
-        grid=(bt // sub, slots, batch * num_heads),
-        num_warps=cfg.attention.num_warps, num_stages=cfg.attention.num_stages,
-        SCALE=static.scale, BC=sub, BK=block_k, **common,
-    )
+    attention = dict(H=num_heads, H_KV=num_kv_heads, K=key_dim, SCALE=static.scale, BT=bt, BK=block_k,
+                     REVERSE=static.reverse, IS_VARLEN=flags["IS_VARLEN"], F32_DOT=precision,
+                     num_warps=cfg.attention.num_warps, num_stages=cfg.attention.num_stages)
+    A_shape = jax.ShapeDtypeStruct((batch, seq_len, num_heads, bt), jnp.float32)
+    if flags["USE_GK"]:
+        # A, and the decayed q and k and Gamma: the states and the output then take no gates.
+        per_head = jax.ShapeDtypeStruct((batch, seq_len, num_heads, key_dim), query.dtype)
+        A, q_decayed, k_decayed, gamma = triton_call(
+            query, key, a, cu, chunk_indices, seq_len, slots, per_row,
+            kernel=_gk_attention_kernel,
+            out_shape=[A_shape, per_head, per_head,
+                       jax.ShapeDtypeStruct((batch * slots, num_heads, key_dim), jnp.float32)],
+            grid=(slots, batch * num_heads), BC=min(cfg.sub_chunk, bt), **attention,
+        )
+        states, final_state = _run_states(static, num_heads, k_decayed, value, gamma, h0, cu, chunk_offsets,
+                                          per_row, slots, flags, _state_dtype(query.dtype), decayed=True)
+        query, a = q_decayed, None
+        common.update(USE_G=False, USE_GK=False)
+    else:
+        states, final_state = _run_states(static, num_heads, key, value, a, h0, cu, chunk_offsets, per_row, slots,
+                                          flags, _state_dtype(query.dtype))
+        A = triton_call(
+            query, key, _or_stand_in(a), cu, chunk_indices, seq_len, per_row,
+            kernel=_attention_kernel, out_shape=A_shape, grid=(slots, batch * num_heads),
+            USE_G=flags["USE_G"], **attention,
+        )
     block_k, block_v = _fit(cfg.output, key_dim, value_dim)
     o = triton_call(
         query, value, _or_stand_in(a), states, A, cu, chunk_indices, seq_len, slots, per_row,
