@@ -102,7 +102,7 @@ _output_kernel        (V/BV, NT, B * H)      o = scale (q exp(G)) H + A v
 _state_grads_kernel   (V/BV, K/BK, N * H)    walks the chunks backwards: D for every chunk,
                                              d initial_state
 _dA_kernel            (NT, B * H)            dA = do v^T (masked); the scalar gate's intra dG
-_intra_grads_kernel   (K/BK * BT/BC, NT, BH)  per-key gates only: dq, dk, dG inside the chunk
+_intra_grads_kernel   (K/BK, NT, B * H)      per-key gates only: dq, dk, dG inside the chunk
 _dv_kernel            (V/BV, NT, B * H)      dv = A^T do + (k exp(Gamma - G)) D
 _inter_grads_kernel   (K/BK, NT, B * H)      dq, dk, dG: the state terms, plus the intra-chunk
                                              ones (computed here for scalar gates)
@@ -328,17 +328,9 @@ def _prefix_sum(x, REVERSE: tl.constexpr):
     these two TF32 products 6.6 ms, one TF32 product (too coarse) 5.2 ms. A scalar gate needs no
     tile: :func:`_vector_prefix_sum` (its forward + backward: 7.3 ms with ``ieee`` tiles, 2.0 ms
     with vectors)."""
-    return _masked_row_sums(_triangle(x.shape[0], REVERSE), x)
-
-
-@triton.jit
-def _masked_row_sums(keep, x):
-    """``sum_s x[s] [keep[i, s]]`` for every row ``i``: the rows of ``x`` [rows, cols] that the
-    boolean ``[rows, rows]`` matrix ``keep`` picks, summed directly, as two TF32 products with
-    ``keep``'s zeros and ones (see :func:`_prefix_sum` for the split)."""
-    m = keep.to(tl.float32)
+    tri = _triangle(x.shape[0], REVERSE).to(tl.float32)
     hi = (x.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)  # 13 low bits cleared
-    return tl.dot(m, x - hi, acc=tl.dot(m, hi, input_precision="tf32"), input_precision="tf32")
+    return tl.dot(tri, x - hi, acc=tl.dot(tri, hi, input_precision="tf32"), input_precision="tf32")
 
 
 @triton.jit
@@ -374,51 +366,11 @@ def _chunk_decays(a, r, i_c, start, end, row_base, i_h, offs_k, mask_k, H: tl.co
 
 
 @triton.jit
-def _span_decay(a, lo, hi, i_c, start, end, row_base, i_h, offs_k, mask_k, H: tl.constexpr, K: tl.constexpr,
-                BT: tl.constexpr, REVERSE: tl.constexpr):
-    """The summed per-key log-decay of walking rows ``lo <= r < hi`` of the chunk (the sub-chunks
-    between two others), a ``[BK]`` vector."""
-    r = tl.arange(0, BT)
-    tok, valid = _rows(r, i_c, start, end, row_base, BT, REVERSE)
-    valid = valid & (r >= lo) & (r < hi)
-    return tl.sum(_load_gates(a, tok, valid, i_h, offs_k, mask_k, H, K), axis=0)
-
-
-@triton.jit
-def _sub_chunk_decays(a, i_cj, i_c, start, end, row_base, i_h, offs_k, mask_k, H: tl.constexpr,
-                      K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, REVERSE: tl.constexpr):
-    """Rows of sub-chunk J: tokens, validity, log-decays ``[BC, BK]``, and the log-decay from the
-    sub-chunk's start to each row (inclusive) and from each row to its end (exclusive)."""
-    c = tl.arange(0, BC)
-    tok, valid = _rows(i_cj * BC + c, i_c, start, end, row_base, BT, REVERSE)
-    b_a = _load_gates(a, tok, valid, i_h, offs_k, mask_k, H, K)
-    tok1, valid1 = _rows(i_cj * BC + c + 1, i_c, start, end, row_base, BT, REVERSE)
-    b_a1 = _load_gates(a, tok1, valid1 & (c + 1 < BC), i_h, offs_k, mask_k, H, K)
-    return tok, valid, b_a, _prefix_sum(b_a, False), _prefix_sum(b_a1, True)
-
-
-@triton.jit
-def _diagonal_decay(b_a, STRICT: tl.constexpr):
-    """``exp(sum of a over (j, i])`` for rows i, j of one block, ``[rows, rows, BK]``, and 0
-    where ``j > i`` (or ``j >= i`` if ``STRICT``). Each sum is a cumulative sum along i of the
-    rows after j (``X[s, j] = a_s [s > j]``): direct, never a difference; the masked entries are
-    ``exp(-inf) = 0``, never ``inf * 0``."""
-    c = tl.arange(0, b_a.shape[0])
-    after = c[:, None] > c[None, :]
-    ROWS: tl.constexpr = b_a.shape[0]
-    COLS: tl.constexpr = b_a.shape[1]
-    x = tl.where(after[:, :, None], b_a[:, None, :], 0.0)
-    span = tl.reshape(_prefix_sum(tl.reshape(x, [ROWS, ROWS * COLS]), False), [ROWS, ROWS, COLS])
-    if STRICT:
-        keep = after
-    else:
-        keep = c[:, None] >= c[None, :]
-    return tl.exp(tl.where(keep[:, :, None], span, float("-inf")))
-
-
-@triton.jit
 def _decay_matrix(b_a, STRICT: tl.constexpr):
-    """The scalar gate's ``[rows, rows]`` decay matrix, as :func:`_diagonal_decay`."""
+    """The scalar gate's ``[rows, rows]`` decay matrix: ``exp(sum of a over (j, i])`` for rows
+    i, j, and 0 where ``j > i`` (or ``j >= i`` if ``STRICT``). Each sum is a cumulative sum along
+    i of the rows after j (``X[s, j] = a_s [s > j]``): direct, never a difference; the masked
+    entries are ``exp(-inf) = 0``, never ``inf * 0``."""
     c = tl.arange(0, b_a.shape[0])
     after = c[:, None] > c[None, :]
     span = _prefix_sum(tl.where(after, b_a[:, None], 0.0), False)
@@ -764,67 +716,98 @@ def _intra_grads_kernel(
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr, F32_DOT: tl.constexpr,
 ):
-    # Per-key gates only. One program: sub-chunk I's rows, one K tile. As queries they see keys
-    # in sub-chunks J <= I; as keys they are seen by queries in sub-chunks J >= I.
-    i_kc, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # Per-key gates only. One program: one chunk (every sub-chunk), one K tile; the sums of a are
+    # formed as in _gk_attention_kernel. Token i as a query sees keys j <= i; as a key, queries
+    # after it.
+    i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NC: tl.constexpr = BT // BC
-    i_k, i_ci = i_kc // NC, i_kc % NC
     i_b, i_h = i_bh // H, i_bh % H
     i_kv = i_h // (H // H_KV)
     i_c, start, end = _chunk_of_program(cu_seqlens, chunk_indices, i_t, T, num_seqs, IS_VARLEN)
     if start + i_c * BT >= end:
         return
     row_base = i_b.to(tl.int64) * T
-    c = tl.arange(0, BC)
+    r = tl.arange(0, BT)
+    sub, local = r // BC, r % BC
+    tok, valid = _rows(r, i_c, start, end, row_base, BT, REVERSE)
     offs_k = i_k * BK + tl.arange(0, BK)
     mask_k = offs_k < K
-    tok_i, valid_i, b_g, from_start_i, to_end_i = _sub_chunk_decays(a, i_ci, i_c, start, end, row_base, i_h,
-                                                                    offs_k, mask_k, H, K, BT, BC, REVERSE)
-    b_q = _load_rows(q + i_h * K, tok_i, valid_i, offs_k, mask_k, H * K).to(tl.float32) * SCALE
-    b_k = _load_rows(k + i_kv * K, tok_i, valid_i, offs_k, mask_k, H_KV * K).to(tl.float32)
-    da_rows = dA + (tok_i[:, None] * H + i_h) * BT
+    b_q = _load_rows(q + i_h * K, tok, valid, offs_k, mask_k, H * K).to(tl.float32) * SCALE
+    b_k = _load_rows(k + i_kv * K, tok, valid, offs_k, mask_k, H_KV * K).to(tl.float32)
+    da_rows = dA + (tok * H + i_h) * BT  # [BT] row starts
 
-    # As queries: keys in earlier sub-chunks, through the boundary at I's start (see
-    # _attention_kernel): dq~_i = exp(G_i - G_b) sum_J dA_iJ (k_J exp(G_b - G_J)).
-    b_dq = tl.zeros([BC, BK], dtype=tl.float32)
-    for i_cj in range(0, i_ci):
-        tok_j, valid_j, _, _, to_end_j = _sub_chunk_decays(a, i_cj, i_c, start, end, row_base, i_h, offs_k,
-                                                           mask_k, H, K, BT, BC, REVERSE)
-        between = _span_decay(a, (i_cj + 1) * BC, i_ci * BC, i_c, start, end, row_base, i_h, offs_k, mask_k,
-                              H, K, BT, REVERSE)
-        b_kj = _load_rows(k + i_kv * K, tok_j, valid_j, offs_k, mask_k, H_KV * K).to(tl.float32)
-        b_da = tl.load(da_rows + i_cj * BC + c[None, :], mask=valid_i[:, None], other=0.0)
-        b_dq += tl.dot(b_da, b_kj * tl.exp(to_end_j + between[None, :]), input_precision=F32_DOT)
-    b_dq *= tl.exp(from_start_i)
+    # The diagonal blocks, strictly below the diagonal, one column j of every sub-chunk at a time
+    # from the last (as _gk_attention_kernel): span = sum of a over (j, i], direct.
+    #   dq~_i += dA_ij k_j exp(span), j < i;  the key j's share of dk_j (summed over i below).
+    # And the sums the blocks between sub-chunks need: after (j to its sub-chunk's end), and
+    # from the sub-chunk's start to i (span at the end, plus the first row).
+    b_dq = tl.zeros([BT, BK], dtype=tl.float32)
+    span = tl.zeros([BT, BK], dtype=tl.float32)
+    run = tl.zeros([BT, BK], dtype=tl.float32)
+    after = tl.zeros([BT, BK], dtype=tl.float32)
+    for jj in range(0, BC):
+        j = BC - 1 - jj
+        tok_n, valid_n = _rows(sub * BC + j + 1, i_c, start, end, row_base, BT, REVERSE)
+        a_next = _load_gates(a, tok_n, valid_n & (j + 1 < BC), i_h, offs_k, mask_k, H, K)
+        run += a_next
+        span += tl.where((local > j)[:, None], a_next, 0.0)
+        after = tl.where((local == j)[:, None], run, after)
+        tok_j, valid_j = _rows(sub * BC + j, i_c, start, end, row_base, BT, REVERSE)
+        k_j = _load_rows(k + i_kv * K, tok_j, valid_j, offs_k, mask_k, H_KV * K).to(tl.float32)
+        da_j = tl.load(da_rows + sub * BC + j, mask=valid & (local > j), other=0.0)  # dA_ij, j < i
+        b_dq += da_j[:, None] * k_j * tl.exp(span)
+    tok_s, valid_s = _rows(sub * BC, i_c, start, end, row_base, BT, REVERSE)
+    from_start = span + _load_gates(a, tok_s, valid_s, i_h, offs_k, mask_k, H, K)
 
-    # As keys: queries in later sub-chunks, through the boundary at I's end:
-    # dk_j = exp(G_e - G_j) sum_J dA_Jj^T (scale q_J exp(G_J - G_e)).
-    b_dk = tl.zeros([BC, BK], dtype=tl.float32)
-    for i_cj in range(i_ci + 1, NC):
-        tok_j, valid_j, _, from_start_j, _ = _sub_chunk_decays(a, i_cj, i_c, start, end, row_base, i_h, offs_k,
-                                                               mask_k, H, K, BT, BC, REVERSE)
-        between = _span_decay(a, (i_ci + 1) * BC, i_cj * BC, i_c, start, end, row_base, i_h, offs_k, mask_k,
-                              H, K, BT, REVERSE)
-        b_qj = _load_rows(q + i_h * K, tok_j, valid_j, offs_k, mask_k, H * K).to(tl.float32) * SCALE
-        # [BC (queries in J), BC (keys in I)]: the block of dA in rows J, columns I.
-        b_da = tl.load(dA + (tok_j[:, None] * H + i_h) * BT + i_ci * BC + c[None, :], mask=valid_j[:, None],
-                       other=0.0)
-        b_dk += tl.dot(tl.trans(b_da), b_qj * tl.exp(from_start_j + between[None, :]), input_precision=F32_DOT)
-    b_dk *= tl.exp(to_end_i)
+    # dk_j = sum_{i > j} dA_ij scale q_i exp(sum of a over (j, i]): the same sums walked the other
+    # way, one row i of every sub-chunk at a time from the first; span2 = sum over (j, i] for the
+    # rows j < i, grown by the row i each step.
+    b_dk = tl.zeros([BT, BK], dtype=tl.float32)
+    span2 = tl.zeros([BT, BK], dtype=tl.float32)
+    for i in range(0, BC):
+        tok_i, valid_i = _rows(sub * BC + i, i_c, start, end, row_base, BT, REVERSE)
+        span2 += tl.where((local < i)[:, None], _load_gates(a, tok_i, valid_i, i_h, offs_k, mask_k, H, K),
+                          0.0)
+        q_i = _load_rows(q + i_h * K, tok_i, valid_i, offs_k, mask_k, H * K).to(tl.float32) * SCALE
+        # dA_ij for the query i of each row j's sub-chunk (row j's column in the query's row)
+        da_i = tl.load(dA + (tok_i * H + i_h) * BT + r, mask=valid_i & (local < i), other=0.0)
+        b_dk += da_i[:, None] * q_i * tl.exp(span2)
 
-    # The diagonal sub-chunk, elementwise, strictly below the diagonal: [i, j, k] terms.
-    b_da = tl.load(da_rows + i_ci * BC + c[None, :], mask=valid_i[:, None], other=0.0)
-    decay = _diagonal_decay(b_g, True)
-    b_dq += tl.sum(b_da[:, :, None] * b_k[None, :, :] * decay, axis=1)
-    b_dk += tl.sum(b_da[:, :, None] * b_q[:, None, :] * decay, axis=0)
+    if NC > 1:
+        b_a = _load_gates(a, tok, valid, i_h, offs_k, mask_k, H, K)
+        b_da = tl.load(da_rows[:, None] + r[None, :], mask=valid[:, None], other=0.0)
+        # As queries, keys in earlier sub-chunks, through the boundary at I's start (see
+        # _gk_attention_kernel): dq~_i = exp(G_i - G_b) sum_J dA_iJ (k_J exp(G_b - G_J)).
+        b_dq_off = tl.zeros([BT, BK], dtype=tl.float32)
+        keys = after
+        for i_ci in tl.static_range(1, NC):
+            passed = tl.sum(tl.where((sub == i_ci - 1)[:, None], b_a, 0.0), axis=0)
+            keys = tl.where((sub < i_ci - 1)[:, None], keys + passed[None, :], keys)
+            b_kg = tl.where((sub < i_ci)[:, None], b_k * tl.exp(keys), 0.0)
+            da_i = tl.where((sub == i_ci)[:, None], b_da, 0.0)  # I's rows (earlier columns: b_kg)
+            b_dq_off = tl.dot(da_i, b_kg, acc=b_dq_off, input_precision=F32_DOT)
+        b_dq += b_dq_off * tl.exp(from_start)
+        # As keys, queries in later sub-chunks, through the boundary e at J's end:
+        # dk_j = exp(G_e - G_j) sum_I dA_Ij^T (scale q_I exp(G_I - G_e)), the second exponent the
+        # sum from I's start to i plus every sub-chunk between J and I (added as J moves back).
+        b_dk_off = tl.zeros([BT, BK], dtype=tl.float32)
+        queries = from_start
+        for n in tl.static_range(1, NC):
+            i_cj = NC - 1 - n  # J, from the last but one back to the first
+            passed = tl.sum(tl.where((sub == i_cj + 1)[:, None], b_a, 0.0), axis=0)
+            queries = tl.where((sub > i_cj + 1)[:, None], queries + passed[None, :], queries)
+            b_qg = tl.where((sub > i_cj)[:, None], b_q * tl.exp(queries), 0.0)
+            da_j = tl.where((sub == i_cj)[None, :], b_da, 0.0)  # J's columns (later rows: b_qg)
+            b_dk_off = tl.dot(tl.trans(da_j), b_qg, acc=b_dk_off, input_precision=F32_DOT)
+        b_dk += b_dk_off * tl.exp(after)
 
     # dG from the terms that depend on the gates; then the diagonal dA_ii (exponent 0).
     b_dg = b_q * b_dq - b_k * b_dk
-    diag = tl.sum(tl.where(c[:, None] == c[None, :], b_da, 0.0), axis=1)
+    diag = tl.load(da_rows + r, mask=valid, other=0.0)
     b_dq += diag[:, None] * b_k
     b_dk += diag[:, None] * b_q
-    out = (tok_i[:, None] * H + i_h) * K + offs_k[None, :]
-    out_mask = valid_i[:, None] & mask_k[None, :]
+    out = (tok[:, None] * H + i_h) * K + offs_k[None, :]
+    out_mask = valid[:, None] & mask_k[None, :]
     tl.store(dq + out, b_dq, mask=out_mask)
     tl.store(dk + out, b_dk, mask=out_mask)
     tl.store(dg + out, b_dg, mask=out_mask)
@@ -1125,7 +1108,7 @@ def _backward_launch(static, query, key, value, a, h0, cu_seqlens, A, d_o, d_fin
             query, key, a, dA, cu, chunk_indices, seq_len, per_row,
             kernel=_intra_grads_kernel,
             out_shape=[per_token(key_dim)] * 3,
-            grid=(cdiv(key_dim, block_k) * (bt // sub), slots, batch * num_heads),
+            grid=(cdiv(key_dim, block_k), slots, batch * num_heads),
             num_warps=cfg.intra_grads.num_warps, num_stages=cfg.intra_grads.num_stages,
             H_KV=num_kv_heads, SCALE=static.scale, BC=sub, BK=block_k, **common,
         )
