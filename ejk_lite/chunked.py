@@ -78,7 +78,9 @@ what is left can be smaller by ``exp(-40)``. So ``dq~`` and ``dk~`` leave out ev
 (``exp(Gamma) H + sum_{j < last} (k_j exp(Gamma - G_j))^T v_j``). What is summed then is only
 terms that genuinely depend on the gates. ``a``'s gradient is the transpose of the cumulative
 sum, the suffix sums of ``dG`` within each chunk (``chunk_local_cumsum`` the other way); JAX
-differentiates the sums that fold ``g``, ``g_gamma`` and ``gk`` into ``a``.
+differentiates the sums that fold ``g``, ``g_gamma`` and ``gk`` into ``a``. With a per-key gate
+the forward keeps ``q exp(G)``, ``k exp(Gamma - G)`` (two arrays of ``q``'s size, in its dtype)
+and ``Gamma`` for the backward, whose states, ``D`` and ``dv`` then read no gates.
 
 **Layouts.** Chunks are counted from each sequence's first token. ``reverse=True`` walks each
 sequence from its last token: the kernels visit a chunk's rows in walking order (row ``r`` of
@@ -633,9 +635,10 @@ def _state_grads_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, SCALE: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, USE_GK: tl.constexpr, HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr,
-    REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr, F32_DOT: tl.constexpr,
+    REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr, F32_DOT: tl.constexpr, DECAYED: tl.constexpr,
 ):
     # The walk of _states_kernel run backwards: dH = exp(Gamma) dH + (scale q exp(G))^T do.
+    # DECAYED: q is already q exp(G) and a holds Gamma per chunk slot (_gk_attention_kernel's).
     i_v, i_k, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_h = i_nh // H, i_nh % H
     i_b, start, end, first = _sequence_of_program(cu_seqlens, chunk_offsets, i_n, T, NT_SLOTS, num_seqs,
@@ -661,7 +664,9 @@ def _state_grads_kernel(
         tok, valid = _rows(r, i_c, start, end, row_base, BT, REVERSE)
         b_q = _load_rows(q + i_h * K, tok, valid, offs_k, mask_k, H * K)
         b_do = _load_rows(do + i_h * V, tok, valid, offs_v, mask_v, H * V)
-        if USE_G:
+        if DECAYED:
+            dh = dh * tl.exp(tl.load(a + (slot * H + i_h) * K + offs_k, mask=mask_k, other=0.0))[:, None]
+        elif USE_G:
             from_start, _, total = _chunk_decays(a, r, i_c, start, end, row_base, i_h, offs_k, mask_k, H, K, BT,
                                                  USE_GK, REVERSE)
             b_q = (b_q * tl.exp(from_start)).to(q.dtype.element_ty)
@@ -820,9 +825,9 @@ def _dv_kernel(
     H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, USE_GK: tl.constexpr, REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr,
-    F32_DOT: tl.constexpr,
+    F32_DOT: tl.constexpr, DECAYED: tl.constexpr,
 ):
-    # dv = A^T do + (k exp(Gamma - G)) D.
+    # dv = A^T do + (k exp(Gamma - G)) D. DECAYED: k is already k exp(Gamma - G), per query head.
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     i_kv = i_h // (H // H_KV)
@@ -843,8 +848,11 @@ def _dv_kernel(
     for i_k in range(0, tl.cdiv(K, BK)):
         offs_k = i_k * BK + tl.arange(0, BK)
         mask_k = offs_k < K
-        b_k = _load_rows(k + i_kv * K, tok, valid, offs_k, mask_k, H_KV * K)
-        if USE_G:
+        if DECAYED:
+            b_k = _load_rows(k + i_h * K, tok, valid, offs_k, mask_k, H * K)
+        else:
+            b_k = _load_rows(k + i_kv * K, tok, valid, offs_k, mask_k, H_KV * K)
+        if USE_G and not DECAYED:
             _, to_end, _ = _chunk_decays(a, r, i_c, start, end, row_base, i_h, offs_k, mask_k, H, K, BT, USE_GK,
                                          REVERSE)
             b_k = (b_k * tl.exp(to_end)).to(k.dtype.element_ty)
@@ -1009,7 +1017,8 @@ def _state_dtype(dtype):
 
 
 def _forward_launch(static, query, key, value, a, h0, cu_seqlens):
-    """The three forward kernels: ``(o, final_state, A)``."""
+    """The forward kernels: ``(o, final_state, A, q exp(G), k exp(Gamma - G), Gamma)``, the last
+    three (kept for the backward) only with a per-key gate, else 1-element stand-ins."""
     batch, seq_len, num_heads, key_dim = query.shape
     num_kv_heads, value_dim = key.shape[2], value.shape[3]
     per_row, slots, cu, chunk_indices, chunk_offsets, flags = _layout(query, a, cu_seqlens, static.chunk_size)
@@ -1035,9 +1044,11 @@ def _forward_launch(static, query, key, value, a, h0, cu_seqlens):
         )
         states, final_state = _run_states(static, num_heads, k_decayed, value, gamma, h0, cu, chunk_offsets,
                                           per_row, slots, flags, _state_dtype(query.dtype), decayed=True)
+        decayed = (q_decayed, k_decayed, gamma.reshape(batch, slots, num_heads, key_dim))
         query, a = q_decayed, None
         common.update(USE_G=False, USE_GK=False)
     else:
+        decayed = (jnp.zeros((1,), query.dtype),) * 2 + (jnp.zeros((1,), jnp.float32),)
         states, final_state = _run_states(static, num_heads, key, value, a, h0, cu, chunk_offsets, per_row, slots,
                                           flags, _state_dtype(query.dtype))
         A = triton_call(
@@ -1054,11 +1065,13 @@ def _forward_launch(static, query, key, value, a, h0, cu_seqlens):
         num_warps=cfg.output.num_warps, num_stages=cfg.output.num_stages,
         V=value_dim, SCALE=static.scale, BK=block_k, BV=block_v, **common,
     )
-    return o, final_state, A
+    return (o, final_state, A, *decayed)
 
 
-def _backward_launch(static, query, key, value, a, h0, cu_seqlens, A, d_o, d_final_state):
-    """The backward kernels: ``(dq, dk, dv, dg_terms, d initial_state)``, dk and dv per query head."""
+def _backward_launch(static, query, key, value, a, h0, cu_seqlens, A, d_o, d_final_state, q_decayed, k_decayed,
+                     gamma):
+    """The backward kernels: ``(dq, dk, dv, dg_terms, d initial_state)``, dk and dv per query head.
+    With a per-key gate the states, D and dv take the forward's decayed q and k and Gamma."""
     batch, seq_len, num_heads, key_dim = query.shape
     num_kv_heads, value_dim = key.shape[2], value.shape[3]
     per_row, slots, cu, chunk_indices, chunk_offsets, flags = _layout(query, a, cu_seqlens, static.chunk_size)
@@ -1075,10 +1088,16 @@ def _backward_launch(static, query, key, value, a, h0, cu_seqlens, A, d_o, d_fin
     num_seqs = batch * per_row
 
     # The states again (cheaper to recompute than to keep), then D, walking the other way.
-    states, _ = _run_states(static, num_heads, key, value, a, h0, cu, chunk_offsets, per_row, slots, flags, state_dtype)
+    if use_gk:
+        states, _ = _run_states(static, num_heads, k_decayed, value, gamma, h0, cu, chunk_offsets, per_row, slots,
+                                flags, state_dtype, decayed=True)
+    else:
+        states, _ = _run_states(static, num_heads, key, value, a, h0, cu, chunk_offsets, per_row, slots, flags,
+                                state_dtype)
     block_k, block_v = _fit(cfg.state_grads, key_dim, value_dim)
     dstates, dh0 = triton_call(
-        query, d_o, a_, _or_stand_in(d_final_state), cu, chunk_offsets, seq_len, slots, per_row,
+        q_decayed if use_gk else query, d_o, gamma if use_gk else a_, _or_stand_in(d_final_state), cu,
+        chunk_offsets, seq_len, slots, per_row,
         kernel=_state_grads_kernel,
         out_shape=[jax.ShapeDtypeStruct((batch * slots, num_heads, key_dim, value_dim), state_dtype),
                    jax.ShapeDtypeStruct((num_seqs, num_heads, key_dim, value_dim) if h0 is not None else (1,),
@@ -1086,7 +1105,7 @@ def _backward_launch(static, query, key, value, a, h0, cu_seqlens, A, d_o, d_fin
         grid=(cdiv(value_dim, block_v), cdiv(key_dim, block_k), num_seqs * num_heads),
         num_warps=cfg.state_grads.num_warps, num_stages=cfg.state_grads.num_stages,
         V=value_dim, SCALE=static.scale, BK=block_k, BV=block_v, HAS_DHT=d_final_state is not None,
-        HAS_H0=h0 is not None, **gated, **common,
+        HAS_H0=h0 is not None, DECAYED=use_gk, **gated, **common,
     )
 
     scalar_gate = use_g and not use_gk
@@ -1117,12 +1136,12 @@ def _backward_launch(static, query, key, value, a, h0, cu_seqlens, A, d_o, d_fin
 
     block_k, block_v = _fit(cfg.dv, key_dim, value_dim)
     dv = triton_call(
-        key, a_, d_o, A, dstates, cu, chunk_indices, seq_len, slots, per_row,
+        k_decayed if use_gk else key, a_, d_o, A, dstates, cu, chunk_indices, seq_len, slots, per_row,
         kernel=_dv_kernel,
         out_shape=per_token(value_dim),
         grid=(cdiv(value_dim, block_v), slots, batch * num_heads),
         num_warps=cfg.dv.num_warps, num_stages=cfg.dv.num_stages,
-        H_KV=num_kv_heads, V=value_dim, BK=block_k, BV=block_v, **gated, **common,
+        H_KV=num_kv_heads, V=value_dim, BK=block_k, BV=block_v, DECAYED=use_gk, **gated, **common,
     )
 
     block_k, block_v = _fit(cfg.inter_grads, key_dim, value_dim)
@@ -1150,10 +1169,11 @@ def _backward_launch(static, query, key, value, a, h0, cu_seqlens, A, d_o, d_fin
     return dq, dk, dv, dg, dh0
 
 
-# Under jax.vmap the launches fold the mapped axis into the batch: q, k, v, a, A, do and the
-# states have one (axis 0); cu_seqlens has none (mapped, the launches run one element at a time).
+# Under jax.vmap the launches fold the mapped axis into the batch: q, k, v, a, A, do, the states
+# and the decayed q, k and Gamma have one (axis 0); cu_seqlens has none (mapped, the launches run
+# one element at a time).
 _FWD_IN_AXES = (0, 0, 0, 0, 0, None)
-_BWD_IN_AXES = (0, 0, 0, 0, 0, None, 0, 0, 0)
+_BWD_IN_AXES = (0, 0, 0, 0, 0, None, 0, 0, 0, 0, 0, 0)
 
 
 def _valid_tokens(cu_seqlens, seq_len):
@@ -1174,30 +1194,34 @@ def _forward(static, query, key, value, a, h0, cu_seqlens):
     if _empty(query, value, cu_seqlens):  # nothing to walk: o = q h is 0, the state passes through
         o = jnp.zeros((batch, seq_len, num_heads, value_dim), query.dtype)
         state = jnp.zeros((num_seqs, num_heads, key_dim, value_dim), jnp.float32) if h0 is None else h0
-        return o, state.astype(jnp.float32), jnp.zeros((batch, seq_len, num_heads, static.chunk_size), jnp.float32)
-    launch = vmap_by_folding(functools.partial(_forward_launch, static), in_axes=_FWD_IN_AXES, out_axes=(0, 0, 0))
-    o, final_state, A = launch(query, key, value, a, h0, cu_seqlens)
+        A = jnp.zeros((batch, seq_len, num_heads, static.chunk_size), jnp.float32)
+        return o, state.astype(jnp.float32), A, None
+    use_gk = a is not None and a.ndim == 4
+    launch = vmap_by_folding(functools.partial(_forward_launch, static), in_axes=_FWD_IN_AXES,
+                             out_axes=(0, 0, 0) + (0 if use_gk else None,) * 3)
+    o, final_state, A, *decayed = launch(query, key, value, a, h0, cu_seqlens)
     valid = _valid_tokens(cu_seqlens, seq_len)
     if valid is not None:
         o = jnp.where(valid, o, 0).astype(o.dtype)
-    return o, final_state, A
+    # With a per-key gate: q exp(G), k exp(Gamma - G) and Gamma, for the backward.
+    return o, final_state, A, tuple(decayed) if use_gk else None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _chunked(static, query, key, value, a, h0, cu_seqlens):
-    o, final_state, _ = _forward(static, query, key, value, a, h0, cu_seqlens)
+    o, final_state, _, _ = _forward(static, query, key, value, a, h0, cu_seqlens)
     return o, final_state
 
 
 def _chunked_fwd(static, *primals):
     # With symbolic_zeros=True each array argument arrives as a CustomVJPPrimal (value, perturbed).
     query, key, value, a, h0, cu_seqlens = [None if p is None else p.value for p in primals]
-    o, final_state, A = _forward(static, query, key, value, a, h0, cu_seqlens)
-    return (o, final_state), (query, key, value, a, h0, cu_seqlens, A)
+    o, final_state, A, decayed = _forward(static, query, key, value, a, h0, cu_seqlens)
+    return (o, final_state), (query, key, value, a, h0, cu_seqlens, A, decayed)
 
 
 def _chunked_bwd(static, residuals, cotangents):
-    query, key, value, a, h0, cu_seqlens, A = residuals
+    query, key, value, a, h0, cu_seqlens, A, decayed = residuals
     d_o, d_final_state = cotangents
     if isinstance(d_o, jax.custom_derivatives.SymbolicZero):  # only final_state was used
         d_o = jnp.zeros(d_o.shape, d_o.dtype)
@@ -1220,7 +1244,7 @@ def _chunked_bwd(static, residuals, cotangents):
         launch = vmap_by_folding(functools.partial(_backward_launch, static), in_axes=_BWD_IN_AXES,
                                  out_axes=out_axes)
         dq, dk, dv, dg_terms, dh0 = launch(query, key, value, a, h0, cu_seqlens, A, d_o.astype(query.dtype),
-                                     d_final_state)
+                                           d_final_state, *(decayed or (None,) * 3))
         valid = _valid_tokens(cu_seqlens, seq_len)
         if valid is not None:
             dq, dk, dv = (jnp.where(valid, x, 0) for x in (dq, dk, dv))
