@@ -160,8 +160,9 @@ def run_kernels(op):
             for reverse in (False, True):
                 static = chk._Static(scale=0.5, chunk_size=16, reverse=reverse, config=chk.ChunkedConfig())
                 for a in (-jnp.abs(q[..., 0]), -jnp.abs(q)):  # a scalar gate, a per-key gate
-                    o, state, A = chk._forward_launch(static, q, q, q, a, None, cu)
-                    results.append(chk._backward_launch(static, q, q, q, a, None, cu, A, o, state))
+                    # (with gk: the decayed q, k and Gamma the backward takes; else stand-ins)
+                    o, state, A, *decayed = chk._forward_launch(static, q, q, q, a, None, cu)
+                    results.append(chk._backward_launch(static, q, q, q, a, None, cu, A, o, state, *decayed))
             return results
     else:
         x = jnp.asarray(rng.standard_normal((2, T, 2, 3)), f32)  # two rows, as vmap folds them
