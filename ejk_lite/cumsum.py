@@ -182,13 +182,24 @@ def _scan_span(
         # Masked tokens load as 0: they add nothing to the sums of the tokens that are kept.
         if DOT and BLOCK_T >= 16 and BLOCK_C >= 16:
             x = tl.load(x_ptr + offsets, mask=mask & keep, other=0.0)
-            sums = tl.dot(lower, x, totals)
-            totals = tl.dot(ones, x, totals)
+            after = tl.dot(ones, x, totals)
+            if tl.min((tl.abs(after) < float("inf")).to(tl.int32)) == 1:
+                sums = tl.dot(lower, x, totals)
+                tl.store(out_ptr + offsets, (sums * scale).to(out_ptr.dtype.element_ty), mask=mask)
+            else:
+                # An inf or a NaN in the block or before it (or a sum past the float32 range): the
+                # triangle would give the tokens before an inf 0 * inf = NaN. Scanned the plain way,
+                # each token sees the values up to it only, as without DOT. (The totals, ``after``,
+                # hold the same infs and NaNs either way.)
+                before = tl.sum(tl.where(rows[:, None] == 0, totals, 0.0), axis=0)
+                sums = tl.cumsum(x.to(tl.float32), axis=0) + before[None, :]
+                tl.store(out_ptr + offsets, (sums * scale).to(out_ptr.dtype.element_ty), mask=mask)
+            totals = after
         else:
             x = tl.load(x_ptr + offsets, mask=mask & keep, other=0.0).to(tl.float32)
             sums = tl.cumsum(x, axis=0) + carry[None, :]
             carry += tl.sum(x, axis=0)
-        tl.store(out_ptr + offsets, (sums * scale).to(out_ptr.dtype.element_ty), mask=mask)
+            tl.store(out_ptr + offsets, (sums * scale).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # Autotuning (on the GPU) picks the tile; the interpreter and the first compile use the first
@@ -302,10 +313,11 @@ def chunk_local_cumsum_kernel(
         first = tl.minimum(tl.maximum(first, 0), total_chunks)
         count = tl.minimum(tl.maximum(tl.where(start < end, count, 0), 0), total_chunks - first)
         cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        entries = tl.arange(0, 64)
+        ENTRIES: tl.constexpr = 2048 // BLOCK_C if BLOCK_C < 2048 else 1  # 2048 floats a step
+        entries = tl.arange(0, ENTRIES)
         totals = sums_ptr + tl.program_id(2).to(tl.int64) * total_chunks * C
-        acc = tl.zeros([64, BLOCK_C], dtype=tl.float32)
-        for e in range(0, count, 64):
+        acc = tl.zeros([ENTRIES, BLOCK_C], dtype=tl.float32)
+        for e in range(0, count, ENTRIES):
             mask = (e + entries[:, None] < count) & (cols[None, :] < C)
             offsets = (first + e + entries[:, None]) * C + cols[None, :]
             acc += tl.load(totals + offsets, mask=mask, other=0.0)
@@ -373,9 +385,10 @@ def _local_autotuned(chunk_size: int):
 # bench/_probe_cumsum.py times each):
 #
 # * DOT (16-bit inputs): the block scanned on the tensor cores (see _scan_span); in the SASS of a
-#   64 x 32 bfloat16 block the loop is 144 instructions a warp, 0.28 per element (8 HGMMA, the
-#   block going global -> shared memory by cp.async -> wgmma, never through registers), 64 x 64
-#   0.22, against 1.06 with tl.cumsum.
+#   64 x 32 bfloat16 block the loop runs 186 instructions a warp when the block holds no inf or
+#   NaN, 0.36 per element (8 HGMMA; the block goes global -> shared memory by cp.async -> wgmma,
+#   not through registers), 64 x 64 0.27, 128 x 32 0.35, against 1.06 with tl.cumsum. Without
+#   the check for infs (which a -inf gate needs, see _scan_span) it was 144, 0.28.
 # * SPLIT > 1: SPLIT programs share one walk. Program p scans the p-th of SPLIT spans (counted in
 #   the direction of the sum) and starts from the sum of the spans before it, which it adds up
 #   itself first: elementwise adds into a [BLOCK_T, BLOCK_C] float32 tile, one tl.sum at the end,

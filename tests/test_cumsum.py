@@ -455,8 +455,8 @@ def test_split_walks_and_tensor_core_scans(rng, layout, split, dot, dtype):
 def test_one_and_two_pass_global_cumsum(rng, monkeypatch, layout, reverse, two_pass):
     """Autotuned (config=None), the global cumsum runs in two passes on inputs of at most
     _TWO_PASS_MAX_BYTES (chunk totals, then chunks that start from the totals before them), one
-    walk per sequence on larger ones; both, forced: a sequence of more than 64 chunks of 64 (the
-    carry sums 64 totals a step), lengths that are no multiple of a chunk, empty and one-token
+    walk per sequence on larger ones; both, forced: a sequence of more than 64 chunks of 64 (with
+    the interpreter's 32-column tile the carry sums 64 totals a step), lengths that are no multiple of a chunk, empty and one-token
     sequences, padding after cu_seqlens[-1], traced cu_seqlens, and unpacked rows."""
     import ejk_lite.cumsum as cumsum
 
@@ -471,3 +471,30 @@ def test_one_and_two_pass_global_cumsum(rng, monkeypatch, layout, reverse, two_p
     x = make_input(rng, shape_of(layout, 2, 130, heads=3, features=5))
     out = chunk_global_cumsum(x, reverse=reverse, head_first=head_first, impl="triton")
     assert rel_err(out, numpy_cumsum(x, reverse=reverse, head_first=head_first)) < TOLERANCE["float32"]
+
+
+@pytest.mark.parametrize("config", [None, CumsumConfig(block_t=16, block_c=16, dot=True),
+                                    CumsumConfig(block_t=16, block_c=16, split=3)])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_infinite_gates(rng, monkeypatch, config, reverse):
+    """A -inf gate (log 0) makes the sums from it on -inf and leaves the ones before it alone; a
+    +inf after it makes them NaN, as does a NaN: sequential semantics on every path (two passes,
+    one walk, split walks, tensor-core scans, whose triangle product would give 0 * inf = NaN to
+    the tokens before an inf)."""
+    import ejk_lite.cumsum as cumsum
+
+    for two_pass in ([False, True] if config is None else [False]):
+        monkeypatch.setattr(cumsum, "_TWO_PASS_MAX_BYTES", 1 << 40 if two_pass else 0)
+        x = np.asarray(make_input(rng, (2, 70, 4), "bfloat16"), np.float32)
+        x[0, 20, 0] = -np.inf  # mid-block: tokens 16-19 must stay finite
+        x[0, 21, 1], x[0, 50, 1] = -np.inf, np.inf
+        x[1, 37, 2] = np.nan
+        x = jnp.asarray(x, jnp.bfloat16)
+        out = np.asarray(chunk_global_cumsum(x, reverse=reverse, output_dtype=jnp.float32, impl="triton",
+                                             config=config), np.float64)
+        ref = numpy_cumsum(x, reverse=reverse)
+        np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
+        np.testing.assert_array_equal(np.isposinf(out), np.isposinf(ref))
+        np.testing.assert_array_equal(np.isneginf(out), np.isneginf(ref))
+        finite = np.isfinite(ref)
+        np.testing.assert_allclose(out[finite], ref[finite], rtol=1e-5, atol=1e-4)
