@@ -4,8 +4,9 @@ Variants, each through the Triton path of ``chunk_global_cumsum``:
 
 * ``old``: fdebc21's autotune list, one walk per sequence (the new kernel with SPLIT 1 and no
   DOT compiles to the old kernel: the same sm_90 SASS in the dense case, offline, triton 3.6);
-* ``new``: what ships: inputs of at most ``_TWO_PASS_MAX_BYTES`` (the scalar case) in two
-  passes, larger ones (the vector case) one walk autotuned over ``_GLOBAL_TILES``;
+* ``new``: what ships: small inputs with few walks (``_TWO_PASS_MAX_BYTES``,
+  ``_TWO_PASS_MAX_WALKS``: the scalar case) in two passes, others (the vector case) one walk
+  autotuned over ``_GLOBAL_TILES``;
 * ``new 1-pass``: the scalar case through the one-walk path (``_GLOBAL_TILES``);
 * ``xla``: ``impl="xla"``, the peer;
 * then each tile of ``_GLOBAL_TILES`` pinned (forward only, while the budget lasts), so that the

@@ -494,9 +494,13 @@ def _global_autotuned(sixteen_bit: bool):
 # _TWO_PASS_CHUNK tokens; pass two is the local kernel over the same chunks (CARRY), each chunk
 # starting from the totals of the chunks before it in its sequence: one program per chunk, as
 # the local cumsum (0.0041 ms at that shape). Pass two reads the input again, from L2 as long as
-# it fits there (50 MB on the H100), hence the bound on the input's size.
+# it fits there (50 MB on the H100), hence the bound on the input's size; and an input with
+# enough walks to fill the GPU (many rows, columns or sequences) keeps the one pass, which reads
+# it once. Both bounds are guesses from that reasoning: the probe (bench/_probe_cumsum.py) times
+# the benchmark's shapes only.
 _TWO_PASS_CHUNK = 64
 _TWO_PASS_MAX_BYTES = 16 << 20
+_TWO_PASS_MAX_WALKS = 512  # about 4 walks of 32 columns an SM on the H100's 132
 
 
 # ----------------------------------------------------------------------------------------------
@@ -597,7 +601,9 @@ def _launch_rows(x, cu_seqlens, *, chunk_size, reverse, scale, head_first, out_d
     )
     pinned = {} if config is None else dict(BLOCK_C=config.block_c, num_warps=config.num_warps,
                                             num_stages=config.num_stages)
-    two_pass = chunk_size is None and config is None and view.nbytes <= _TWO_PASS_MAX_BYTES
+    walks = N * cdiv(C, 32) * (num_seqs + 1 if varlen else 1)  # one-pass programs, 32 columns
+    two_pass = (chunk_size is None and config is None and view.nbytes <= _TWO_PASS_MAX_BYTES
+                and walks <= _TWO_PASS_MAX_WALKS)
     if chunk_size is None and not two_pass:
         num_segments = num_seqs + 1 if varlen else 1
         sixteen_bit = jnp.dtype(x.dtype).itemsize == 2  # DOT only then: see _global_configs

@@ -454,13 +454,14 @@ def test_split_walks_and_tensor_core_scans(rng, layout, split, dot, dtype):
 @pytest.mark.parametrize("two_pass", [False, True])
 def test_one_and_two_pass_global_cumsum(rng, monkeypatch, layout, reverse, two_pass):
     """Autotuned (config=None), the global cumsum runs in two passes on inputs of at most
-    _TWO_PASS_MAX_BYTES (chunk totals, then chunks that start from the totals before them), one
-    walk per sequence on larger ones; both, forced: a sequence of more than 64 chunks of 64 (with
+    _TWO_PASS_MAX_BYTES with few walks (chunk totals, then chunks that start from the totals
+    before them), one walk per sequence otherwise; both, forced: a sequence of more than 64 chunks of 64 (with
     the interpreter's 32-column tile the carry sums 64 totals a step), lengths that are no multiple of a chunk, empty and one-token
     sequences, padding after cu_seqlens[-1], traced cu_seqlens, and unpacked rows."""
     import ejk_lite.cumsum as cumsum
 
     monkeypatch.setattr(cumsum, "_TWO_PASS_MAX_BYTES", 1 << 40 if two_pass else 0)
+    monkeypatch.setattr(cumsum, "_TWO_PASS_MAX_WALKS", 1 << 40)
     head_first = layout.endswith("head_first")
     cu = cu_from_lengths([4161, 0, 1, 64, 26])
     x = make_input(rng, shape_of(layout, 1, int(cu[-1]) + 3, heads=2, features=1))
@@ -485,6 +486,7 @@ def test_infinite_gates(rng, monkeypatch, config, reverse):
 
     for two_pass in ([False, True] if config is None else [False]):
         monkeypatch.setattr(cumsum, "_TWO_PASS_MAX_BYTES", 1 << 40 if two_pass else 0)
+        monkeypatch.setattr(cumsum, "_TWO_PASS_MAX_WALKS", 1 << 40)
         x = np.asarray(make_input(rng, (2, 70, 4), "bfloat16"), np.float32)
         x[0, 20, 0] = -np.inf  # mid-block: tokens 16-19 must stay finite
         x[0, 21, 1], x[0, 50, 1] = -np.inf, np.inf
@@ -498,3 +500,29 @@ def test_infinite_gates(rng, monkeypatch, config, reverse):
         np.testing.assert_array_equal(np.isneginf(out), np.isneginf(ref))
         finite = np.isfinite(ref)
         np.testing.assert_allclose(out[finite], ref[finite], rtol=1e-5, atol=1e-4)
+
+
+def test_two_pass_only_for_small_inputs_with_few_walks(monkeypatch):
+    """The autotuned global cumsum takes two passes for an input of at most _TWO_PASS_MAX_BYTES
+    with at most _TWO_PASS_MAX_WALKS one-pass walks (rows x 32-column tiles x sequences), else
+    one; a pinned config always one."""
+    import ejk_lite.cumsum as cumsum
+
+    launched = []
+    real = cumsum.triton_call
+    monkeypatch.setattr(cumsum, "triton_call", lambda *a, kernel, **k: (
+        launched.append(getattr(kernel, "fn", kernel).__name__), real(*a, kernel=kernel, **k))[1])
+
+    def kernels(shape, config=None):
+        jax.clear_caches()  # trace again: the choice is made while tracing
+        launched.clear()
+        chunk_global_cumsum(jnp.ones(shape), impl="triton", config=config)
+        return launched[:]
+
+    monkeypatch.setattr(cumsum, "_TWO_PASS_MAX_WALKS", 4)
+    assert kernels((4, 8, 32)) == ["chunk_sums_kernel", "chunk_local_cumsum_kernel"]  # 4 walks
+    assert kernels((5, 8, 32)) == ["chunk_global_cumsum_kernel"]
+    assert kernels((2, 8, 65)) == ["chunk_global_cumsum_kernel"]  # 2 x 3 column tiles
+    assert kernels((4, 8, 32), CumsumConfig()) == ["chunk_global_cumsum_kernel"]
+    monkeypatch.setattr(cumsum, "_TWO_PASS_MAX_BYTES", 4 * 8 * 32 * 4 - 1)
+    assert kernels((4, 8, 32)) == ["chunk_global_cumsum_kernel"]
