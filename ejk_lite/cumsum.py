@@ -36,9 +36,8 @@ Implementations (``impl=``):
 
 * ``"triton"``: two kernels sharing one loop, :func:`_scan_span`. A program owns one segment of one
   row and a tile of ``BLOCK_C`` columns; it walks the segment in blocks of ``BLOCK_T`` tokens,
-  scans each block with ``tl.cumsum`` (16-bit inputs may use the tensor cores, ``DOT``) and
-  carries the float32 running sum into the next block. Reverse sums read the segment backwards
-  and scan forwards.
+  scans each block with ``tl.cumsum`` and carries the float32 running sum into the next block.
+  Reverse sums read the segment backwards and scan forwards.
   The local kernel has one program per (chunk, column tile, row); the global kernel one per
   (sequence, column tile, row), or ``SPLIT`` per sequence, each starting from the sum of the
   tokens before its span. Every element is written once and read once (the global kernel's
@@ -50,7 +49,7 @@ Implementations (``impl=``):
 * ``"auto"``: Triton on a GPU, XLA otherwise (the interpreter is for testing, not for speed).
 
 Tiles (``config=``): by default Triton's autotuner picks the column width, warps and (global)
-token block, split and scan on the GPU from the lists below; a :class:`CumsumConfig` pins one
+token block and split on the GPU from the lists below; a :class:`CumsumConfig` pins one
 instead (and the global cumsum then always walks in one pass).
 
 The module reads top to bottom as every op of ejk_lite: the kernels, the launchers ``_fwd`` /
@@ -78,10 +77,10 @@ from ejk_lite.checks import (
     check_triton_dtype,
     freeze_fields,
     next_power_of_2,
-    optional_int,
     power_of_two,
     resolve_impl,
     static_float,
+    validated_fields,
 )
 from ejk_lite.launch import triton_call, vmap_by_folding
 from ejk_lite.packing import (
@@ -131,7 +130,7 @@ def _scan_span(
     carry,  # [BLOCK_C] float32: what the sums start from (the tokens walked before this span)
     T, C: tl.constexpr, scale,
     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, NUM_STAGES: tl.constexpr,
-    REVERSE: tl.constexpr, TOKENS_CONTIGUOUS: tl.constexpr, DOT: tl.constexpr,
+    REVERSE: tl.constexpr, TOKENS_CONTIGUOUS: tl.constexpr,
 ):
     """Write the (reverse) cumulative sum of tokens [start, end) for this program's column tile.
 
@@ -148,27 +147,12 @@ def _scan_span(
     every step; that bounds a long walk (the global kernel) by bytes in flight, and a bfloat16
     block holds half the bytes of a float32 one. A program that scans one block (a chunk no
     longer than ``BLOCK_T``) has nothing to overlap: the local launcher passes 1 then.
-
-    ``DOT`` (16-bit inputs only: the launcher sees to it) scans each block on the tensor cores
-    instead: the block's prefix sums are ``lower @ x`` with ``lower`` the ``BLOCK_T x BLOCK_T``
-    lower triangle of ones, and the running total ``ones @ x`` added to every row, both
-    accumulated in float32 onto the totals of the blocks before (products of 0/1 and a 16-bit
-    number are exact). ``tl.cumsum`` over a tall tile passes partial sums between lanes and
-    warps: about one warp instruction per element in the sm_90 SASS of a 128 x 32 block, in
-    bfloat16 as in float32, so at the copy bandwidth bfloat16 asks the SMs for twice the
-    instruction rate float32 does (see _GLOBAL_TILES). Tiles narrower or shorter than 16 (the
-    smallest ``tl.dot``) scan with ``tl.cumsum``.
     """
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_mask = cols < C
     # jax-triton hands a Python float over as float64: multiplying the float32 sums by it would
     # convert every element to float64 and back. (The default scale, 1.0, arrives as the constant 1.)
     scale = tl.cast(scale, tl.float32)
-    if DOT and BLOCK_T >= 16 and BLOCK_C >= 16:
-        rows = tl.arange(0, BLOCK_T)
-        lower = (rows[None, :] <= rows[:, None]).to(x_ptr.dtype.element_ty)  # lower[i, j] = j <= i
-        ones = tl.full([BLOCK_T, BLOCK_T], 1, x_ptr.dtype.element_ty)
-        totals = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32) + carry[None, :]  # every row: carry
     for first in tl.range(0, end - start, BLOCK_T, num_stages=NUM_STAGES):
         if REVERSE:
             tokens = end - 1 - first - tl.arange(0, BLOCK_T)
@@ -180,26 +164,10 @@ def _scan_span(
             offsets = tokens[:, None] * C + cols[None, :]
         mask = (tokens[:, None] >= start) & (tokens[:, None] < end) & col_mask[None, :]
         # Masked tokens load as 0: they add nothing to the sums of the tokens that are kept.
-        if DOT and BLOCK_T >= 16 and BLOCK_C >= 16:
-            x = tl.load(x_ptr + offsets, mask=mask & keep, other=0.0)
-            after = tl.dot(ones, x, totals)
-            if tl.min((tl.abs(after) < float("inf")).to(tl.int32)) == 1:
-                sums = tl.dot(lower, x, totals)
-                tl.store(out_ptr + offsets, (sums * scale).to(out_ptr.dtype.element_ty), mask=mask)
-            else:
-                # An inf or a NaN in the block or before it (or a sum past the float32 range): the
-                # triangle would give the tokens before an inf 0 * inf = NaN. Scanned the plain way,
-                # each token sees the values up to it only, as without DOT. (The totals, ``after``,
-                # hold the same infs and NaNs either way.)
-                before = tl.sum(tl.where(rows[:, None] == 0, totals, 0.0), axis=0)
-                sums = tl.cumsum(x.to(tl.float32), axis=0) + before[None, :]
-                tl.store(out_ptr + offsets, (sums * scale).to(out_ptr.dtype.element_ty), mask=mask)
-            totals = after
-        else:
-            x = tl.load(x_ptr + offsets, mask=mask & keep, other=0.0).to(tl.float32)
-            sums = tl.cumsum(x, axis=0) + carry[None, :]
-            carry += tl.sum(x, axis=0)
-            tl.store(out_ptr + offsets, (sums * scale).to(out_ptr.dtype.element_ty), mask=mask)
+        x = tl.load(x_ptr + offsets, mask=mask & keep, other=0.0).to(tl.float32)
+        sums = tl.cumsum(x, axis=0) + carry[None, :]
+        carry += tl.sum(x, axis=0)
+        tl.store(out_ptr + offsets, (sums * scale).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # Autotuning (on the GPU) picks the tile; the interpreter and the first compile use the first
@@ -226,7 +194,7 @@ _LOCAL_TILES = [  # (BLOCK_T, BLOCK_C, num_warps, NUM_STAGES)
     (8, 512, 4, 3),
     (8, 1024, 4, 3),
 ]
-_TILE_FIELDS = ("BLOCK_T", "BLOCK_C", "num_warps", "NUM_STAGES", "SPLIT", "DOT")
+_TILE_FIELDS = ("BLOCK_T", "BLOCK_C", "num_warps", "NUM_STAGES", "SPLIT")
 
 
 def _configs(tiles) -> list[triton.Config]:
@@ -324,7 +292,7 @@ def chunk_local_cumsum_kernel(
         carry = tl.sum(acc, axis=0)
     _scan_span(x_ptr + row, out_ptr + row, start, end, keep, carry, T, C, scale, BLOCK_T=BLOCK_T,
                BLOCK_C=BLOCK_C, NUM_STAGES=NUM_STAGES, REVERSE=REVERSE,
-               TOKENS_CONTIGUOUS=TOKENS_CONTIGUOUS, DOT=False)
+               TOKENS_CONTIGUOUS=TOKENS_CONTIGUOUS)
 
 
 @triton.jit
@@ -381,55 +349,47 @@ def _local_autotuned(chunk_size: int):
 # elements/s, about 0.82 of the 924 G warp instructions/s that 132 SMs can issue (4 a clock at
 # 1.755 GHz), against 0.41 for float32. At the recorded 65.6% (bfloat16) and 87.9% (float32) the
 # walks issue 0.54 and 0.36 of that peak: bfloat16 hits what about two 4-warp programs an SM
-# (256 walks) issue of this code first. Two ways out, both tiles here (not yet timed on a GPU:
-# bench/_probe_cumsum.py times each):
+# (256 walks) issue of this code first.
 #
-# * DOT (16-bit inputs): the block scanned on the tensor cores (see _scan_span); in the SASS of a
-#   64 x 32 bfloat16 block the loop runs 186 instructions a warp when the block holds no inf or
-#   NaN, 0.36 per element (8 HGMMA; the block goes global -> shared memory by cp.async -> wgmma,
-#   not through registers), 64 x 64 0.27, 128 x 32 0.35, against 1.06 with tl.cumsum. Without
-#   the check for infs (which a -inf gate needs, see _scan_span) it was 144, 0.28.
-# * SPLIT > 1: SPLIT programs share one walk. Program p scans the p-th of SPLIT spans (counted in
-#   the direction of the sum) and starts from the sum of the spans before it, which it adds up
-#   itself first: elementwise adds into a [BLOCK_T, BLOCK_C] float32 tile, one tl.sum at the end,
-#   no carry from block to block, so that part streams instead of waiting on each block's scan.
-#   The spans before are read SPLIT(SPLIT - 1)/2 times over, at about the time their own program
-#   reads them (in the same order, from the same offsets), so mostly from L2. More programs, a
-#   shorter chain of scans, but the last program still streams the whole sequence.
-_GLOBAL_TILES = [  # (BLOCK_T, BLOCK_C, num_warps, NUM_STAGES, SPLIT, DOT)
-    (64, 32, 4, 3, 1, False),  # first: CumsumConfig()'s default, what the interpreter runs
-    (128, 32, 4, 3, 1, False),
-    (128, 16, 4, 3, 1, False),
-    (32, 64, 4, 3, 1, False),
-    (128, 32, 8, 3, 1, False),
-    (256, 16, 8, 3, 1, False),
-    (256, 32, 8, 2, 1, False),
-    (512, 8, 4, 3, 1, False),
-    (1024, 4, 4, 3, 1, False),
-    (128, 32, 4, 3, 2, False),  # vector gates: two programs a walk
-    (256, 16, 4, 3, 8, False),  # few, long walks (the two-pass path takes small inputs)
-    (512, 8, 4, 3, 8, False),
-    # 16-bit inputs: tensor-core scans (_global_configs drops them for float32)
-    (64, 32, 4, 3, 1, True),
-    (64, 64, 4, 3, 1, True),
-    (128, 32, 4, 3, 1, True),
-    (64, 16, 4, 4, 1, True),
-    (64, 32, 4, 3, 2, True),
-    (64, 16, 4, 3, 8, True),
+# SPLIT > 1: SPLIT programs share one walk. Program p scans the p-th of SPLIT spans (counted in
+# the direction of the sum) and starts from the sum of the spans before it, which it adds up
+# itself first: elementwise adds into a [BLOCK_T, BLOCK_C] float32 tile, one tl.sum at the end,
+# no carry from block to block, so that part streams instead of waiting on each block's scan.
+# The spans before are read SPLIT(SPLIT - 1)/2 times over, at about the time their own program
+# reads them (in the same order, from the same offsets), so mostly from L2. More programs, a
+# shorter chain of scans, but the last program still streams the whole sequence.
+#
+# Measured (H100, bench/_probe_cumsum.py run at the branch, not recorded; forward, device time,
+# median of 10, % of the 3032 GB/s copy). Vector gates, bfloat16: the best tile, 128 x 32 with
+# 4 warps and 3 stages, 0.0681 ms, 65.0% (as before: bound by instruction issue, above); SPLIT 2
+# on it 0.0813 ms, 54.4%, slower. SPLIT helps few, long walks: the scalar gates forced into one
+# pass, the best SPLIT 8 tile (512 x 8, 4 warps, 3 stages) took 0.0132 ms, the best unsplit one
+# (1024 x 4) 0.0212. A scan on the tensor cores (each 16-bit block's prefix sums as tl.dot of a
+# lower triangle of ones and the block) reached 79.9% (128 x 32), but its sums were wrong at the
+# benchmark's sizes (relative error 2.0e-2 to 1.4e-1 against float64, tolerance 1.6e-2; right on
+# the tests' small shapes), cause not found: removed.
+_GLOBAL_TILES = [  # (BLOCK_T, BLOCK_C, num_warps, NUM_STAGES, SPLIT)
+    (64, 32, 4, 3, 1),  # first: CumsumConfig()'s default, what the interpreter runs
+    (128, 32, 4, 3, 1),
+    (128, 16, 4, 3, 1),
+    (32, 64, 4, 3, 1),
+    (128, 32, 8, 3, 1),
+    (256, 16, 8, 3, 1),
+    (256, 32, 8, 2, 1),
+    (512, 8, 4, 3, 1),
+    (1024, 4, 4, 3, 1),
+    (128, 32, 4, 3, 2),  # vector gates: two programs a walk
+    (256, 16, 4, 3, 8),  # few, long walks (the two-pass path takes small inputs)
+    (512, 8, 4, 3, 8),
 ]
-
-
-def _global_configs(sixteen_bit: bool) -> list[triton.Config]:
-    """``_GLOBAL_TILES`` for an input dtype: the DOT tiles only for 16-bit inputs (a float32
-    ``tl.dot`` rounds its inputs to tf32)."""
-    return _configs([tile for tile in _GLOBAL_TILES if sixteen_bit or not tile[5]])
+_GLOBAL_CONFIGS = _configs(_GLOBAL_TILES)
 
 
 @triton.jit
 def chunk_global_cumsum_kernel(
     x_ptr, cu_seqlens_ptr, T, num_seqs, scale, out_ptr,
     C: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, NUM_STAGES: tl.constexpr,
-    SPLIT: tl.constexpr, DOT: tl.constexpr,
+    SPLIT: tl.constexpr,
     REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr, TOKENS_CONTIGUOUS: tl.constexpr,
 ):
     """Grid ``(sequences x SPLIT, column tiles, rows)``: ``SPLIT`` programs scan one sequence.
@@ -477,14 +437,10 @@ def chunk_global_cumsum_kernel(
             end = start + mine
     _scan_span(x_ptr + row, out_ptr + row, start, end, keep, carry, T, C, scale, BLOCK_T=BLOCK_T,
                BLOCK_C=BLOCK_C, NUM_STAGES=NUM_STAGES, REVERSE=REVERSE,
-               TOKENS_CONTIGUOUS=TOKENS_CONTIGUOUS, DOT=DOT)
+               TOKENS_CONTIGUOUS=TOKENS_CONTIGUOUS)
 
 
-@functools.cache
-def _global_autotuned(sixteen_bit: bool):
-    """The global kernel autotuned over :func:`_global_configs` (one tuner per kind of dtype)."""
-    configs = _global_configs(sixteen_bit)
-    return triton.autotune(configs=configs, key=["T", "C"])(chunk_global_cumsum_kernel)
+_global_autotuned = triton.autotune(configs=_GLOBAL_CONFIGS, key=["T", "C"])(chunk_global_cumsum_kernel)
 
 
 # Small inputs take the global cumsum in two passes instead (with config=None): the scalar gates
@@ -496,8 +452,10 @@ def _global_autotuned(sixteen_bit: bool):
 # the local cumsum (0.0041 ms at that shape). Pass two reads the input again, from L2 as long as
 # it fits there (50 MB on the H100), hence the bound on the input's size; and an input with
 # enough walks to fill the GPU (many rows, columns or sequences) keeps the one pass, which reads
-# it once. Both bounds are guesses from that reasoning: the probe (bench/_probe_cumsum.py) times
-# the benchmark's shapes only.
+# it once. Measured (H100, bench/_probe_cumsum.py run at the branch, not recorded; forward,
+# device time, median of 10) at [8, 8192, 16]: two passes 0.0074 ms in bfloat16, 0.0079 in float32,
+# against XLA's 0.0129 and 0.0135 and the one pass before (fdebc21's tiles) 0.0211 and 0.0219.
+# Both bounds are guesses from the reasoning above: only the benchmark's shapes were timed.
 _TWO_PASS_CHUNK = 64
 _TWO_PASS_MAX_BYTES = 16 << 20
 _TWO_PASS_MAX_WALKS = 512  # about 4 walks of 32 columns an SM on the H100's 132
@@ -523,8 +481,6 @@ class CumsumConfig:
     * ``num_stages``: blocks of loads in flight in a walk (``NUM_STAGES``, Triton's software
       pipelining; 1: none). The local kernel uses 1 when a chunk is one block.
     * ``split``: programs sharing one sequence's walk (global kernel only; see _GLOBAL_TILES).
-    * ``dot``: scan the blocks on the tensor cores (global kernel, 16-bit inputs, ``block_t``
-      and ``block_c`` at least 16; ignored otherwise).
     """
 
     block_t: int = 64
@@ -532,18 +488,12 @@ class CumsumConfig:
     num_warps: int = 4
     num_stages: int = 3
     split: int = 1
-    dot: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.dot, (bool, np.bool_)):
-            raise ValueError(f"CumsumConfig.dot must be a bool, got {self.dot!r}")
-        values = {"dot": bool(self.dot)}
+        freeze_fields(self, validated_fields(self, powers_of_two=("block_t", "block_c", "num_warps")))
         for name in ("block_t", "block_c", "num_warps", "num_stages", "split"):
             if getattr(self, name) is None:
                 raise ValueError(f"CumsumConfig.{name} must be a positive int, got None")
-            values[name] = optional_int(getattr(self, name), f"CumsumConfig.{name}",
-                                        power_of_2=name in ("block_t", "block_c", "num_warps"))
-        freeze_fields(self, values)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -606,11 +556,9 @@ def _launch_rows(x, cu_seqlens, *, chunk_size, reverse, scale, head_first, out_d
                 and walks <= _TWO_PASS_MAX_WALKS)
     if chunk_size is None and not two_pass:
         num_segments = num_seqs + 1 if varlen else 1
-        sixteen_bit = jnp.dtype(x.dtype).itemsize == 2  # DOT only then: see _global_configs
-        kernel = _global_autotuned(sixteen_bit) if config is None else chunk_global_cumsum_kernel
+        kernel = _global_autotuned if config is None else chunk_global_cumsum_kernel
         if config is not None:
-            pinned.update(BLOCK_T=config.block_t, NUM_STAGES=config.num_stages, SPLIT=config.split,
-                          DOT=config.dot and sixteen_bit)
+            pinned.update(BLOCK_T=config.block_t, NUM_STAGES=config.num_stages, SPLIT=config.split)
         out = triton_call(
             view, cu, T, num_seqs, scale, kernel=kernel, C=C,
             grid=lambda meta: (num_segments * meta["SPLIT"], cdiv(C, meta["BLOCK_C"]), N),

@@ -307,7 +307,7 @@ def test_pinned_config(rng, op, config):
 def test_config_is_validated():
     for field, value in [("block_t", 6), ("block_c", 0), ("num_warps", 3), ("num_stages", 0), ("block_t", 8.0),
                          ("block_c", True), ("num_warps", None), ("split", 0), ("split", None),
-                         ("split", 2.0), ("dot", 1), ("dot", None)]:
+                         ("split", 2.0)]:
         with pytest.raises(ValueError, match=f"CumsumConfig.{field}"):
             CumsumConfig(**{field: value})
     with pytest.raises(ValueError, match="config"):
@@ -367,25 +367,24 @@ def test_default_config_is_the_autotuners_first():
     import ejk_lite.cumsum as cumsum
 
     config = CumsumConfig()
-    for sixteen_bit in (False, True):
-        first = cumsum._global_configs(sixteen_bit)[0]
-        assert (config.block_t, config.block_c, config.num_warps, config.num_stages, config.split,
-                config.dot) == (first.kwargs["BLOCK_T"], first.kwargs["BLOCK_C"], first.num_warps,
-                                first.num_stages, first.kwargs["SPLIT"], first.kwargs["DOT"])
+    first = cumsum._GLOBAL_CONFIGS[0]
+    assert (config.block_t, config.block_c, config.num_warps, config.num_stages, config.split) == (
+        first.kwargs["BLOCK_T"], first.kwargs["BLOCK_C"], first.num_warps, first.num_stages, first.kwargs["SPLIT"])
     assert cumsum._local_configs(64)[0].kwargs["BLOCK_C"] == config.block_c
 
 
 def test_configs_of_tiles():
-    """_configs turns the tile tuples of both kernels into triton.Configs; the float32 global
-    list has no tensor-core tiles, the 16-bit one all tiles."""
+    """_configs turns the tile tuples of both kernels into triton.Configs (the global ones with
+    SPLIT), one per tile."""
     import ejk_lite.cumsum as cumsum
 
     (local,) = cumsum._configs([(8, 256, 1, 3)])
     assert local.kwargs == {"BLOCK_T": 8, "BLOCK_C": 256, "NUM_STAGES": 3}
     assert (local.num_warps, local.num_stages) == (1, 3)
-    assert len(cumsum._global_configs(True)) == len(_GLOBAL_TILES)
-    assert not any(c.kwargs["DOT"] for c in cumsum._global_configs(False))
-    assert any(c.kwargs["DOT"] for c in cumsum._global_configs(True))
+    assert len(cumsum._GLOBAL_CONFIGS) == len(_GLOBAL_TILES)
+    for config, (block_t, block_c, num_warps, stages, split) in zip(cumsum._GLOBAL_CONFIGS, _GLOBAL_TILES):
+        assert config.kwargs == {"BLOCK_T": block_t, "BLOCK_C": block_c, "NUM_STAGES": stages, "SPLIT": split}
+        assert (config.num_warps, config.num_stages) == (num_warps, stages)
 
 
 @pytest.mark.parametrize("chunk_size", [1, 8, 64, 256])
@@ -406,31 +405,28 @@ def test_local_autotune_list_fits_the_chunk(chunk_size):
 @pytest.mark.parametrize("op, tile", [("local", t) for t in _LOCAL_TILES] + [("global", t) for t in _GLOBAL_TILES])
 def test_every_autotune_tile(rng, op, tile):
     """Each tile the autotuner may pick, pinned, gives the right sums (the interpreter runs only
-    the first one when autotuning): packed sequences, columns not a multiple of the tile. The
-    tensor-core tiles take 16-bit inputs only: bfloat16 in, float32 out."""
+    the first one when autotuning): packed sequences, columns not a multiple of the tile."""
     config = CumsumConfig(*tile)
-    dot = op == "global" and config.dot
     cu = cu_from_lengths([5, 0, 70, 1])
-    x = make_input(rng, (1, 80, 3, 7), "bfloat16" if dot else "float32")
+    x = make_input(rng, (1, 80, 3, 7))
     fn = chunk_local_cumsum if op == "local" else chunk_global_cumsum
     kwargs = dict(chunk_size=64) if op == "local" else {}
     for reverse in (False, True):
-        out = fn(x, **kwargs, reverse=reverse, cu_seqlens=jnp.asarray(cu), output_dtype=jnp.float32,
-                 impl="triton", config=config)
+        out = fn(x, **kwargs, reverse=reverse, cu_seqlens=jnp.asarray(cu), impl="triton", config=config)
         assert rel_err(out, expected(op, x, 64, reverse=reverse, cu_seqlens=cu)) < TOLERANCE["float32"]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("split, dot, dtype", [(1, True, "bfloat16"), (3, False, "float32"),
-                                               (4, True, "float16"), (2, False, "bfloat16")])
-def test_split_walks_and_tensor_core_scans(rng, layout, split, dot, dtype):
-    """The global kernel with ``split`` programs a sequence and/or tensor-core scans (``dot``,
-    16-bit inputs), pinned to 16-token blocks: packed sequences of 37 (not a whole number of
-    blocks), 0, 1, 16 and 5 tokens, 4 padding tokens after them, and one unpacked sequence of 75
-    (split 4: spans of 32, 32, 11 and an empty one); both directions; columns fewer than a tile
-    (scalar: 3) and more (vector: 21); sums in float32 and the gradient in the input dtype."""
+@pytest.mark.parametrize("split, dtype", [(1, "bfloat16"), (3, "float32"), (4, "float16"),
+                                         (2, "bfloat16")])
+def test_split_walks(rng, layout, split, dtype):
+    """The global kernel with ``split`` programs a sequence, pinned to 16-token blocks: packed
+    sequences of 37 (not a whole number of blocks), 0, 1, 16 and 5 tokens, 4 padding tokens after
+    them, and one unpacked sequence of 75 (split 4: spans of 32, 32, 11 and an empty one); both
+    directions; columns fewer than a tile (scalar: 3) and more (vector: 21); sums in float32 and
+    the gradient in the input dtype."""
     head_first = layout.endswith("head_first")
-    config = CumsumConfig(block_t=16, block_c=16, num_warps=4, num_stages=2, split=split, dot=dot)
+    config = CumsumConfig(block_t=16, block_c=16, num_warps=4, num_stages=2, split=split)
     cu = cu_from_lengths([37, 0, 1, 16, 5])
     for batch, tokens, cu_seqlens in [(1, int(cu[-1]) + 4, cu), (2, 75, None)]:
         x = make_input(rng, shape_of(layout, batch, tokens, heads=3, features=7), dtype)
@@ -474,14 +470,12 @@ def test_one_and_two_pass_global_cumsum(rng, monkeypatch, layout, reverse, two_p
     assert rel_err(out, numpy_cumsum(x, reverse=reverse, head_first=head_first)) < TOLERANCE["float32"]
 
 
-@pytest.mark.parametrize("config", [None, CumsumConfig(block_t=16, block_c=16, dot=True),
-                                    CumsumConfig(block_t=16, block_c=16, split=3)])
+@pytest.mark.parametrize("config", [None, CumsumConfig(block_t=16, block_c=16, split=3)])
 @pytest.mark.parametrize("reverse", [False, True])
 def test_infinite_gates(rng, monkeypatch, config, reverse):
     """A -inf gate (log 0) makes the sums from it on -inf and leaves the ones before it alone; a
     +inf after it makes them NaN, as does a NaN: sequential semantics on every path (two passes,
-    one walk, split walks, tensor-core scans, whose triangle product would give 0 * inf = NaN to
-    the tokens before an inf)."""
+    one walk, split walks, whose programs start from the sums of the spans before theirs)."""
     import ejk_lite.cumsum as cumsum
 
     for two_pass in ([False, True] if config is None else [False]):
