@@ -39,13 +39,18 @@ Implementations (``impl=``):
   scans each block with ``tl.cumsum`` and carries the float32 running sum into the next block.
   Reverse sums read the segment backwards and scan forwards.
   The local kernel has one program per (chunk, column tile, row); the global kernel one per
-  (sequence, column tile, row). Every element is read once and written once. Under ``jax.vmap``
-  the mapped axis is folded into the rows: a batch is one launch.
+  (sequence, column tile, row), or ``SPLIT`` per sequence, each starting from the sum of the
+  tokens before its span. Every element is written once and read once (the global kernel's
+  ``SPLIT`` reads spans again, mostly from L2). Small inputs (``_TWO_PASS_MAX_BYTES``) take the
+  global cumsum in two passes instead: chunk totals, then the local kernel with each chunk
+  starting from the totals before it. Under ``jax.vmap`` the mapped axis is folded into the
+  rows: a batch is one launch.
 * ``"xla"``: plain ``jax.numpy``/``lax`` ops, differentiated by JAX itself.
 * ``"auto"``: Triton on a GPU, XLA otherwise (the interpreter is for testing, not for speed).
 
 Tiles (``config=``): by default Triton's autotuner picks the column width, warps and (global)
-token block on the GPU from the lists below; a :class:`CumsumConfig` pins one instead.
+token block and split on the GPU from the lists below; a :class:`CumsumConfig` pins one
+instead (and the global cumsum then always walks in one pass).
 
 The module reads top to bottom as every op of ejk_lite: the kernels, the launchers ``_fwd`` /
 ``_bwd``, one ``custom_vjp``, the XLA implementation, the references, the public functions.
@@ -71,6 +76,7 @@ from ejk_lite.checks import (
     check_floating,
     check_triton_dtype,
     freeze_fields,
+    next_power_of_2,
     power_of_two,
     resolve_impl,
     static_float,
@@ -121,6 +127,7 @@ def _scan_span(
     x_ptr, out_ptr,  # this program's row: its element (t, c) is at offset t*C + c (or c*T + t)
     start, end,  # the segment: tokens start <= t < end
     keep,  # False for padding past cu_seqlens[-1]: read nothing, write zeros
+    carry,  # [BLOCK_C] float32: what the sums start from (the tokens walked before this span)
     T, C: tl.constexpr, scale,
     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, NUM_STAGES: tl.constexpr,
     REVERSE: tl.constexpr, TOKENS_CONTIGUOUS: tl.constexpr,
@@ -146,7 +153,6 @@ def _scan_span(
     # jax-triton hands a Python float over as float64: multiplying the float32 sums by it would
     # convert every element to float64 and back. (The default scale, 1.0, arrives as the constant 1.)
     scale = tl.cast(scale, tl.float32)
-    carry = tl.zeros([BLOCK_C], dtype=tl.float32)
     for first in tl.range(0, end - start, BLOCK_T, num_stages=NUM_STAGES):
         if REVERSE:
             tokens = end - 1 - first - tl.arange(0, BLOCK_T)
@@ -188,12 +194,22 @@ _LOCAL_TILES = [  # (BLOCK_T, BLOCK_C, num_warps, NUM_STAGES)
     (8, 512, 4, 3),
     (8, 1024, 4, 3),
 ]
-_LOCAL_CONFIGS = [triton.Config({"BLOCK_T": t, "BLOCK_C": c, "NUM_STAGES": s}, num_warps=w, num_stages=s)
-                  for t, c, w, s in _LOCAL_TILES]
+_TILE_FIELDS = ("BLOCK_T", "BLOCK_C", "num_warps", "NUM_STAGES", "SPLIT")
+
+
+def _configs(tiles) -> list[triton.Config]:
+    """One ``triton.Config`` per tile, a tuple of ``_TILE_FIELDS`` (the local kernel's stop at
+    ``NUM_STAGES``): Triton's ``num_stages`` is the walk's ``NUM_STAGES``."""
+    configs = []
+    for tile in tiles:
+        meta = dict(zip(_TILE_FIELDS, tile))
+        num_warps = meta.pop("num_warps")
+        configs.append(triton.Config(meta, num_warps=num_warps, num_stages=meta["NUM_STAGES"]))
+    return configs
 
 
 def _local_configs(chunk_size: int) -> list[triton.Config]:
-    """``_LOCAL_CONFIGS`` for chunks of ``chunk_size`` tokens: no block taller than a chunk, and no
+    """``_LOCAL_TILES`` for chunks of ``chunk_size`` tokens: no block taller than a chunk, and no
     pipelining where a chunk is one block (duplicates dropped, the order kept)."""
     tiles = []
     for t, c, w, s in _LOCAL_TILES:
@@ -201,41 +217,108 @@ def _local_configs(chunk_size: int) -> list[triton.Config]:
         tile = (t, c, w, 1 if t == chunk_size else s)
         if tile not in tiles:
             tiles.append(tile)
-    return [triton.Config({"BLOCK_T": t, "BLOCK_C": c, "NUM_STAGES": s}, num_warps=w, num_stages=s)
-            for t, c, w, s in tiles]
+    return _configs(tiles)
+
+
+@triton.jit
+def _chunk_bounds(i_chunk, cu_seqlens_ptr, chunk_indices_ptr, T, num_seqs, CHUNK: tl.constexpr,
+                  IS_VARLEN: tl.constexpr):
+    """``(start, end, keep, bos, eos, chunk)`` of work-list entry ``i_chunk``: its tokens, whether
+    they are kept, its sequence's tokens ``[bos, eos)`` and its index within the sequence."""
+    if IS_VARLEN:
+        # Every index loaded from memory is clamped before it addresses anything (the launch
+        # already hands over a valid packing; this is the second line of defence): whatever
+        # chunk_indices and cu_seqlens hold, 0 <= bos <= start <= end <= eos <= T.
+        seq = tl.minimum(tl.load(chunk_indices_ptr + 2 * i_chunk), num_seqs)
+        chunk = tl.maximum(tl.load(chunk_indices_ptr + 2 * i_chunk + 1), 0)
+        keep = seq < num_seqs  # the last "sequence" is the padding past cu_seqlens[-1]
+        bos = tl.minimum(tl.maximum(tl.load(cu_seqlens_ptr + tl.maximum(seq, 0)), 0), T)
+        eos = tl.minimum(tl.maximum(tl.load(cu_seqlens_ptr + tl.maximum(seq, 0) + 1), bos), T)
+        eos = tl.where(seq >= 0, eos, bos)  # a spare entry: no tokens
+        start = tl.minimum(tl.maximum(bos + chunk * CHUNK, bos), eos)
+        end = tl.minimum(start + CHUNK, eos)
+    else:
+        chunk = i_chunk
+        keep = True
+        bos = 0
+        eos = T
+        start = i_chunk * CHUNK
+        end = tl.minimum(start + CHUNK, T)
+    return start, end, keep, bos, eos, chunk
 
 
 @triton.jit
 def chunk_local_cumsum_kernel(
-    x_ptr, cu_seqlens_ptr, chunk_indices_ptr, T, num_seqs, scale, out_ptr,
+    x_ptr, cu_seqlens_ptr, chunk_indices_ptr, sums_ptr, T, num_seqs, total_chunks, scale, out_ptr,
     C: tl.constexpr, CHUNK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-    NUM_STAGES: tl.constexpr, REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr, TOKENS_CONTIGUOUS: tl.constexpr,
+    NUM_STAGES: tl.constexpr, REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr,
+    TOKENS_CONTIGUOUS: tl.constexpr, CARRY: tl.constexpr,
 ):
     """Grid ``(chunks, column tiles, rows)``: one program scans one chunk of one row's column tile.
 
     Without ``cu_seqlens`` chunk ``i`` is tokens ``[i*CHUNK, (i+1)*CHUNK)``. With it, row ``i`` of
     ``chunk_indices`` names (sequence, chunk within the sequence); rows of ``-1`` (spare programs
     when the chunk count was bounded from above, under ``jax.jit``) own no tokens.
+
+    ``CARRY`` (the global cumsum in two passes, see _launch_rows): the sums run on over the
+    whole sequence. ``sums_ptr`` holds each entry's float32 total (``[rows, total_chunks, C]``,
+    :func:`chunk_sums_kernel`); a chunk starts from the totals of the chunks before it in its
+    sequence (after it, ``REVERSE``), which are the entries just before (after) its own.
     """
     i_chunk = tl.program_id(0)
     row = tl.program_id(2).to(tl.int64) * T * C
-    if IS_VARLEN:
-        # Every index loaded from memory is clamped before it addresses anything (the launch
-        # already hands over a valid packing; this is the second line of defence): whatever
-        # chunk_indices and cu_seqlens hold, 0 <= start <= end <= T.
-        seq = tl.minimum(tl.load(chunk_indices_ptr + 2 * i_chunk), num_seqs)
-        chunk = tl.load(chunk_indices_ptr + 2 * i_chunk + 1)
-        keep = seq < num_seqs  # the last "sequence" is the padding past cu_seqlens[-1]
-        bos = tl.minimum(tl.maximum(tl.load(cu_seqlens_ptr + tl.maximum(seq, 0)), 0), T)
-        eos = tl.minimum(tl.maximum(tl.load(cu_seqlens_ptr + tl.maximum(seq, 0) + 1), bos), T)
-        start = tl.minimum(tl.maximum(bos + chunk * CHUNK, bos), eos)
-        end = tl.where(seq >= 0, tl.minimum(start + CHUNK, eos), start)
-    else:
-        start = i_chunk * CHUNK
-        end = tl.minimum(start + CHUNK, T)
-        keep = True
-    _scan_span(x_ptr + row, out_ptr + row, start, end, keep, T, C, scale, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C,
-               NUM_STAGES=NUM_STAGES, REVERSE=REVERSE, TOKENS_CONTIGUOUS=TOKENS_CONTIGUOUS)
+    start, end, keep, bos, eos, chunk = _chunk_bounds(i_chunk, cu_seqlens_ptr, chunk_indices_ptr, T,
+                                                      num_seqs, CHUNK, IS_VARLEN)
+    carry = tl.zeros([BLOCK_C], dtype=tl.float32)
+    if CARRY:
+        if REVERSE:
+            first = i_chunk + 1
+            count = tl.cdiv(eos - bos, CHUNK) - 1 - chunk
+        else:
+            first = i_chunk - chunk
+            count = chunk
+        # Clamped: whatever the work list holds, only entries 0 <= e < total_chunks are read.
+        first = tl.minimum(tl.maximum(first, 0), total_chunks)
+        count = tl.minimum(tl.maximum(tl.where(start < end, count, 0), 0), total_chunks - first)
+        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        ENTRIES: tl.constexpr = 2048 // BLOCK_C if BLOCK_C < 2048 else 1  # 2048 floats a step
+        entries = tl.arange(0, ENTRIES)
+        totals = sums_ptr + tl.program_id(2).to(tl.int64) * total_chunks * C
+        acc = tl.zeros([ENTRIES, BLOCK_C], dtype=tl.float32)
+        for e in range(0, count, ENTRIES):
+            mask = (e + entries[:, None] < count) & (cols[None, :] < C)
+            offsets = (first + e + entries[:, None]) * C + cols[None, :]
+            acc += tl.load(totals + offsets, mask=mask, other=0.0)
+        carry = tl.sum(acc, axis=0)
+    _scan_span(x_ptr + row, out_ptr + row, start, end, keep, carry, T, C, scale, BLOCK_T=BLOCK_T,
+               BLOCK_C=BLOCK_C, NUM_STAGES=NUM_STAGES, REVERSE=REVERSE,
+               TOKENS_CONTIGUOUS=TOKENS_CONTIGUOUS)
+
+
+@triton.jit
+def chunk_sums_kernel(
+    x_ptr, cu_seqlens_ptr, chunk_indices_ptr, T, num_seqs, total_chunks, sums_ptr,
+    C: tl.constexpr, CHUNK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    IS_VARLEN: tl.constexpr, TOKENS_CONTIGUOUS: tl.constexpr,
+):
+    """Grid ``(chunks, column tiles, rows)``: the float32 total of each chunk's columns, into
+    ``sums_ptr[row, chunk, column]`` (the first pass of the two-pass global cumsum)."""
+    i_chunk = tl.program_id(0)
+    row = tl.program_id(2).to(tl.int64) * T * C
+    start, end, keep, _, _, _ = _chunk_bounds(i_chunk, cu_seqlens_ptr, chunk_indices_ptr, T,
+                                              num_seqs, CHUNK, IS_VARLEN)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    for first in range(start, end, BLOCK_T):
+        tokens = first + tl.arange(0, BLOCK_T)
+        if TOKENS_CONTIGUOUS:
+            offsets = tokens[:, None] + cols[None, :] * T
+        else:
+            offsets = tokens[:, None] * C + cols[None, :]
+        mask = (tokens[:, None] < end) & (cols[None, :] < C)
+        acc += tl.load(x_ptr + row + offsets, mask=mask & keep, other=0.0).to(tl.float32)
+    totals = sums_ptr + (tl.program_id(2).to(tl.int64) * total_chunks + i_chunk) * C
+    tl.store(totals + cols, tl.sum(acc, axis=0), mask=cols < C)
 
 
 @functools.cache
@@ -245,40 +328,80 @@ def _local_autotuned(chunk_size: int):
 
 
 # The global kernel runs the same loop over a whole sequence. Its parallelism is rows x column
-# tiles x sequences, and its time is the length of the walk. With few rows and columns (scalar
-# gates, [8, 8192, 16]: 128 independent sums) narrow, tall tiles give more programs and fewer steps
-# each; with many (vector gates) wide tiles read longer contiguous runs. The walk keeps NUM_STAGES
-# blocks in flight (see _scan_span): the vector benchmark, [4, 4096, 16, 128], has only 256 walks
-# of 64 x 32 columns for 132 SMs, and one such block is 4 KB of bfloat16 (8 KB of float32); with
-# one block in flight the global kernel reached 54% of the copy bandwidth in bfloat16, 85% in
-# float32. Measured (H100, bfloat16, forward, device time, pinned tiles, 2026-11-24): 64 x 32 with 1
-# stage 31.6% of the copy, with 3 stages 43.3%, 128 x 32 with 3 stages and 4 warps 64.7% (the best
-# of ten tiles; with 8 warps 46.8%); the list without 128 x 32 / 4 warps autotuned to 51.6%.
-_GLOBAL_TILES = [  # (BLOCK_T, BLOCK_C, num_warps, NUM_STAGES)
-    (64, 32, 4, 3),  # first: CumsumConfig()'s default, what the interpreter runs
-    (128, 32, 4, 3),
-    (128, 16, 4, 3),
-    (32, 64, 4, 3),
-    (128, 32, 8, 3),
-    (256, 16, 8, 3),
-    (256, 32, 8, 2),
-    (512, 8, 4, 3),
-    (1024, 4, 4, 3),
+# tiles x sequences (x SPLIT, below), and its time is the length of the walk. With few rows and
+# columns (scalar gates, [8, 8192, 16]: 128 independent sums) narrow, tall tiles give more programs
+# and fewer steps each; with many (vector gates) wide tiles read longer contiguous runs. The walk
+# keeps NUM_STAGES blocks in flight (see _scan_span): the vector benchmark, [4, 4096, 16, 128], has
+# only 256 walks of 64 x 32 columns for 132 SMs, and one such block is 4 KB of bfloat16 (8 KB of
+# float32); with one block in flight the global kernel reached 54% of the copy bandwidth in
+# bfloat16, 85% in float32. Measured (H100, bfloat16, forward, device time, pinned tiles,
+# 2026-11-24): 64 x 32 with 1 stage 31.6% of the copy, with 3 stages 43.3%, 128 x 32 with 3 stages
+# and 4 warps 64.7% (the best of ten tiles; with 8 warps 46.8%); the list without 128 x 32 / 4
+# warps autotuned to 51.6%. The re-recorded run (fdebc21) autotuned to 65.6% in bfloat16 and 87.9%
+# in float32.
+#
+# Why bfloat16 stays behind: the SMs' instruction issue, not the bytes in flight. In the sm_90
+# SASS of the loop (offline compile, triton 3.6) a 128 x 32 block costs 1015 instructions a warp
+# in bfloat16 and 963 in float32, 0.99 and 0.94 warp instructions per element (64 x 32: 1.06 and
+# 0.98), most of them tl.cumsum's passing of partial sums between lanes and warps (122 SHFL, 136
+# LDS, 41 STS, 330 FADD in the bfloat16 one). At the copy bandwidth bfloat16 streams twice the
+# elements a second that float32 does: 3032 GB/s over 4 bytes an element moved is 758 G
+# elements/s, about 0.82 of the 924 G warp instructions/s that 132 SMs can issue (4 a clock at
+# 1.755 GHz), against 0.41 for float32. At the recorded 65.6% (bfloat16) and 87.9% (float32) the
+# walks issue 0.54 and 0.36 of that peak: bfloat16 hits what about two 4-warp programs an SM
+# (256 walks) issue of this code first.
+#
+# SPLIT > 1: SPLIT programs share one walk. Program p scans the p-th of SPLIT spans (counted in
+# the direction of the sum) and starts from the sum of the spans before it, which it adds up
+# itself first: elementwise adds into a [BLOCK_T, BLOCK_C] float32 tile, one tl.sum at the end,
+# no carry from block to block, so that part streams instead of waiting on each block's scan.
+# The spans before are read SPLIT(SPLIT - 1)/2 times over, at about the time their own program
+# reads them (in the same order, from the same offsets), so mostly from L2. More programs, a
+# shorter chain of scans, but the last program still streams the whole sequence.
+#
+# Measured (H100, bench/_probe_cumsum.py run at the branch, not recorded; forward, device time,
+# median of 10, % of the 3032 GB/s copy). Vector gates, bfloat16: the best tile, 128 x 32 with
+# 4 warps and 3 stages, 0.0681 ms, 65.0% (as before: bound by instruction issue, above); SPLIT 2
+# on it 0.0813 ms, 54.4%, slower. SPLIT helps few, long walks: the scalar gates forced into one
+# pass, the best SPLIT 8 tile (512 x 8, 4 warps, 3 stages) took 0.0132 ms, the best unsplit one
+# (1024 x 4) 0.0212. A scan on the tensor cores (each 16-bit block's prefix sums as tl.dot of a
+# lower triangle of ones and the block) reached 79.9% (128 x 32), but its sums were wrong at the
+# benchmark's sizes (relative error 2.0e-2 to 1.4e-1 against float64, tolerance 1.6e-2; right on
+# the tests' small shapes), cause not found: removed.
+_GLOBAL_TILES = [  # (BLOCK_T, BLOCK_C, num_warps, NUM_STAGES, SPLIT)
+    (64, 32, 4, 3, 1),  # first: CumsumConfig()'s default, what the interpreter runs
+    (128, 32, 4, 3, 1),
+    (128, 16, 4, 3, 1),
+    (32, 64, 4, 3, 1),
+    (128, 32, 8, 3, 1),
+    (256, 16, 8, 3, 1),
+    (256, 32, 8, 2, 1),
+    (512, 8, 4, 3, 1),
+    (1024, 4, 4, 3, 1),
+    (128, 32, 4, 3, 2),  # vector gates: two programs a walk
+    (256, 16, 4, 3, 8),  # few, long walks (the two-pass path takes small inputs)
+    (512, 8, 4, 3, 8),
 ]
-_GLOBAL_CONFIGS = [triton.Config({"BLOCK_T": t, "BLOCK_C": c, "NUM_STAGES": s}, num_warps=w, num_stages=s)
-                   for t, c, w, s in _GLOBAL_TILES]
+_GLOBAL_CONFIGS = _configs(_GLOBAL_TILES)
 
 
 @triton.jit
 def chunk_global_cumsum_kernel(
     x_ptr, cu_seqlens_ptr, T, num_seqs, scale, out_ptr,
     C: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, NUM_STAGES: tl.constexpr,
+    SPLIT: tl.constexpr,
     REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr, TOKENS_CONTIGUOUS: tl.constexpr,
 ):
-    """Grid ``(sequences, column tiles, rows)``: one program scans one whole sequence."""
+    """Grid ``(sequences x SPLIT, column tiles, rows)``: ``SPLIT`` programs scan one sequence.
+
+    Program ``part`` of a sequence scans its ``part``-th span of ``cdiv(length, SPLIT)`` tokens
+    rounded up to whole blocks, counted from the sequence's first token (its last, ``REVERSE``);
+    the spans past the sequence's end are empty, their programs do nothing. It first sums the
+    ``walked`` tokens before its span, read in the order of the sum, and starts from that.
+    """
+    seq = tl.program_id(0) // SPLIT
     row = tl.program_id(2).to(tl.int64) * T * C
     if IS_VARLEN:
-        seq = tl.program_id(0)
         # Clamped as in the local kernel: 0 <= start <= end <= T whatever cu_seqlens holds.
         start = tl.minimum(tl.maximum(tl.load(cu_seqlens_ptr + seq), 0), T)
         end = tl.minimum(tl.maximum(tl.load(cu_seqlens_ptr + seq + 1), start), T)
@@ -287,11 +410,55 @@ def chunk_global_cumsum_kernel(
         start = 0
         end = T
         keep = True
-    _scan_span(x_ptr + row, out_ptr + row, start, end, keep, T, C, scale, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C,
-               NUM_STAGES=NUM_STAGES, REVERSE=REVERSE, TOKENS_CONTIGUOUS=TOKENS_CONTIGUOUS)
+    carry = tl.zeros([BLOCK_C], dtype=tl.float32)
+    if SPLIT > 1:
+        part = tl.program_id(0) % SPLIT
+        span = tl.cdiv(tl.cdiv(end - start, SPLIT), BLOCK_T) * BLOCK_T
+        walked = tl.minimum(part * span, end - start)  # 0 <= walked <= mine + walked <= length
+        mine = tl.minimum(span, end - start - walked)
+        walked = tl.where(mine > 0, walked, 0)  # an empty span needs no sum
+        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+        for first in tl.range(0, walked, BLOCK_T, num_stages=NUM_STAGES):
+            ahead = first + tl.arange(0, BLOCK_T)  # tokens from the sequence's first (last)
+            tokens = end - 1 - ahead if REVERSE else start + ahead
+            if TOKENS_CONTIGUOUS:
+                offsets = tokens[:, None] + cols[None, :] * T
+            else:
+                offsets = tokens[:, None] * C + cols[None, :]
+            mask = (ahead[:, None] < walked) & (cols[None, :] < C)
+            acc += tl.load(x_ptr + row + offsets, mask=mask & keep, other=0.0).to(tl.float32)
+        carry = tl.sum(acc, axis=0)
+        if REVERSE:
+            end = end - walked
+            start = end - mine
+        else:
+            start = start + walked
+            end = start + mine
+    _scan_span(x_ptr + row, out_ptr + row, start, end, keep, carry, T, C, scale, BLOCK_T=BLOCK_T,
+               BLOCK_C=BLOCK_C, NUM_STAGES=NUM_STAGES, REVERSE=REVERSE,
+               TOKENS_CONTIGUOUS=TOKENS_CONTIGUOUS)
 
 
 _global_autotuned = triton.autotune(configs=_GLOBAL_CONFIGS, key=["T", "C"])(chunk_global_cumsum_kernel)
+
+
+# Small inputs take the global cumsum in two passes instead (with config=None): the scalar gates
+# of the benchmark, [8, 8192, 16], are 128 sums of 8192 tokens, and one walk per sum (8 programs
+# of 16 columns) took 0.0219 ms in float32 where XLA took 0.0128 (fdebc21): 4 MB, no program with
+# enough work in flight. Pass one, chunk_sums_kernel, writes the float32 total of every chunk of
+# _TWO_PASS_CHUNK tokens; pass two is the local kernel over the same chunks (CARRY), each chunk
+# starting from the totals of the chunks before it in its sequence: one program per chunk, as
+# the local cumsum (0.0041 ms at that shape). Pass two reads the input again, from L2 as long as
+# it fits there (50 MB on the H100), hence the bound on the input's size; and an input with
+# enough walks to fill the GPU (many rows, columns or sequences) keeps the one pass, which reads
+# it once. Measured (H100, bench/_probe_cumsum.py run at the branch, not recorded; forward,
+# device time, median of 10) at [8, 8192, 16]: two passes 0.0074 ms in bfloat16, 0.0079 in float32,
+# against XLA's 0.0129 and 0.0135 and the one pass before (fdebc21's tiles) 0.0211 and 0.0219.
+# Both bounds are guesses from the reasoning above: only the benchmark's shapes were timed.
+_TWO_PASS_CHUNK = 64
+_TWO_PASS_MAX_BYTES = 16 << 20
+_TWO_PASS_MAX_WALKS = 512  # about 4 walks of 32 columns an SM on the H100's 132
 
 
 # ----------------------------------------------------------------------------------------------
@@ -313,16 +480,18 @@ class CumsumConfig:
     * ``num_warps``: a power of two, as in ``triton.Config``.
     * ``num_stages``: blocks of loads in flight in a walk (``NUM_STAGES``, Triton's software
       pipelining; 1: none). The local kernel uses 1 when a chunk is one block.
+    * ``split``: programs sharing one sequence's walk (global kernel only; see _GLOBAL_TILES).
     """
 
     block_t: int = 64
     block_c: int = 32
     num_warps: int = 4
     num_stages: int = 3
+    split: int = 1
 
     def __post_init__(self):
         freeze_fields(self, validated_fields(self, powers_of_two=("block_t", "block_c", "num_warps")))
-        for name in ("block_t", "block_c", "num_warps", "num_stages"):
+        for name in ("block_t", "block_c", "num_warps", "num_stages", "split"):
             if getattr(self, name) is None:
                 raise ValueError(f"CumsumConfig.{name} must be a positive int, got None")
 
@@ -382,16 +551,23 @@ def _launch_rows(x, cu_seqlens, *, chunk_size, reverse, scale, head_first, out_d
     )
     pinned = {} if config is None else dict(BLOCK_C=config.block_c, num_warps=config.num_warps,
                                             num_stages=config.num_stages)
-    if chunk_size is None:
+    walks = N * cdiv(C, 32) * (num_seqs + 1 if varlen else 1)  # one-pass programs, 32 columns
+    two_pass = (chunk_size is None and config is None and view.nbytes <= _TWO_PASS_MAX_BYTES
+                and walks <= _TWO_PASS_MAX_WALKS)
+    if chunk_size is None and not two_pass:
         num_segments = num_seqs + 1 if varlen else 1
         kernel = _global_autotuned if config is None else chunk_global_cumsum_kernel
         if config is not None:
-            pinned.update(BLOCK_T=config.block_t, NUM_STAGES=config.num_stages)
+            pinned.update(BLOCK_T=config.block_t, NUM_STAGES=config.num_stages, SPLIT=config.split)
         out = triton_call(
             view, cu, T, num_seqs, scale, kernel=kernel, C=C,
-            grid=lambda meta: (num_segments, cdiv(C, meta["BLOCK_C"]), N), **common, **pinned,
+            grid=lambda meta: (num_segments * meta["SPLIT"], cdiv(C, meta["BLOCK_C"]), N),
+            **common, **pinned,
         )
         return out.reshape(x.shape)
+    carry = two_pass
+    if two_pass:
+        chunk_size = _TWO_PASS_CHUNK
     if varlen:
         # The number of chunks depends on the lengths, which are traced under jax.jit, but the grid
         # must be static. Launch an upper bound instead: each of the num_seqs + 1 sequences adds at
@@ -406,11 +582,22 @@ def _launch_rows(x, cu_seqlens, *, chunk_size, reverse, scale, head_first, out_d
         # As _local_configs: no block taller than a chunk; a chunk of one block, no pipelining.
         block_t = min(chunk_size, config.block_t)
         pinned.update(BLOCK_T=block_t, NUM_STAGES=1 if block_t == chunk_size else config.num_stages)
+    if carry:
+        block_c = min(64, next_power_of_2(C))
+        sums = triton_call(
+            view, cu, chunk_indices, T, num_seqs, total, kernel=chunk_sums_kernel,
+            out_shape=jax.ShapeDtypeStruct((N, total, C), jnp.float32),
+            grid=(total, cdiv(C, block_c), N), num_warps=4, C=C, CHUNK=chunk_size,
+            BLOCK_T=min(64, chunk_size), BLOCK_C=block_c, IS_VARLEN=varlen,
+            TOKENS_CONTIGUOUS=tokens_contiguous,
+        )
+    else:
+        sums = cu  # never read: CARRY is a compile-time False
     out = triton_call(
-        view, cu, chunk_indices, T, num_seqs, scale, C=C,
+        view, cu, chunk_indices, sums, T, num_seqs, total, scale, C=C,
         kernel=_local_autotuned(chunk_size) if config is None else chunk_local_cumsum_kernel,
         grid=lambda meta: (total, cdiv(C, meta["BLOCK_C"]), N),
-        CHUNK=chunk_size, **common, **pinned,
+        CHUNK=chunk_size, CARRY=carry, **common, **pinned,
     )
     return out.reshape(x.shape)
 

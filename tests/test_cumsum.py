@@ -306,7 +306,8 @@ def test_pinned_config(rng, op, config):
 
 def test_config_is_validated():
     for field, value in [("block_t", 6), ("block_c", 0), ("num_warps", 3), ("num_stages", 0), ("block_t", 8.0),
-                         ("block_c", True), ("num_warps", None)]:
+                         ("block_c", True), ("num_warps", None), ("split", 0), ("split", None),
+                         ("split", 2.0)]:
         with pytest.raises(ValueError, match=f"CumsumConfig.{field}"):
             CumsumConfig(**{field: value})
     with pytest.raises(ValueError, match="config"):
@@ -367,9 +368,23 @@ def test_default_config_is_the_autotuners_first():
 
     config = CumsumConfig()
     first = cumsum._GLOBAL_CONFIGS[0]
-    assert (config.block_t, config.block_c, config.num_warps, config.num_stages) == \
-        (first.kwargs["BLOCK_T"], first.kwargs["BLOCK_C"], first.num_warps, first.num_stages)
-    assert cumsum._LOCAL_CONFIGS[0].kwargs["BLOCK_C"] == config.block_c
+    assert (config.block_t, config.block_c, config.num_warps, config.num_stages, config.split) == (
+        first.kwargs["BLOCK_T"], first.kwargs["BLOCK_C"], first.num_warps, first.num_stages, first.kwargs["SPLIT"])
+    assert cumsum._local_configs(64)[0].kwargs["BLOCK_C"] == config.block_c
+
+
+def test_configs_of_tiles():
+    """_configs turns the tile tuples of both kernels into triton.Configs (the global ones with
+    SPLIT), one per tile."""
+    import ejk_lite.cumsum as cumsum
+
+    (local,) = cumsum._configs([(8, 256, 1, 3)])
+    assert local.kwargs == {"BLOCK_T": 8, "BLOCK_C": 256, "NUM_STAGES": 3}
+    assert (local.num_warps, local.num_stages) == (1, 3)
+    assert len(cumsum._GLOBAL_CONFIGS) == len(_GLOBAL_TILES)
+    for config, (block_t, block_c, num_warps, stages, split) in zip(cumsum._GLOBAL_CONFIGS, _GLOBAL_TILES):
+        assert config.kwargs == {"BLOCK_T": block_t, "BLOCK_C": block_c, "NUM_STAGES": stages, "SPLIT": split}
+        assert (config.num_warps, config.num_stages) == (num_warps, stages)
 
 
 @pytest.mark.parametrize("chunk_size", [1, 8, 64, 256])
@@ -391,8 +406,7 @@ def test_local_autotune_list_fits_the_chunk(chunk_size):
 def test_every_autotune_tile(rng, op, tile):
     """Each tile the autotuner may pick, pinned, gives the right sums (the interpreter runs only
     the first one when autotuning): packed sequences, columns not a multiple of the tile."""
-    block_t, block_c, num_warps, num_stages = tile
-    config = CumsumConfig(block_t=block_t, block_c=block_c, num_warps=num_warps, num_stages=num_stages)
+    config = CumsumConfig(*tile)
     cu = cu_from_lengths([5, 0, 70, 1])
     x = make_input(rng, (1, 80, 3, 7))
     fn = chunk_local_cumsum if op == "local" else chunk_global_cumsum
@@ -400,3 +414,109 @@ def test_every_autotune_tile(rng, op, tile):
     for reverse in (False, True):
         out = fn(x, **kwargs, reverse=reverse, cu_seqlens=jnp.asarray(cu), impl="triton", config=config)
         assert rel_err(out, expected(op, x, 64, reverse=reverse, cu_seqlens=cu)) < TOLERANCE["float32"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("split, dtype", [(1, "bfloat16"), (3, "float32"), (4, "float16"),
+                                         (2, "bfloat16")])
+def test_split_walks(rng, layout, split, dtype):
+    """The global kernel with ``split`` programs a sequence, pinned to 16-token blocks: packed
+    sequences of 37 (not a whole number of blocks), 0, 1, 16 and 5 tokens, 4 padding tokens after
+    them, and one unpacked sequence of 75 (split 4: spans of 32, 32, 11 and an empty one); both
+    directions; columns fewer than a tile (scalar: 3) and more (vector: 21); sums in float32 and
+    the gradient in the input dtype."""
+    head_first = layout.endswith("head_first")
+    config = CumsumConfig(block_t=16, block_c=16, num_warps=4, num_stages=2, split=split)
+    cu = cu_from_lengths([37, 0, 1, 16, 5])
+    for batch, tokens, cu_seqlens in [(1, int(cu[-1]) + 4, cu), (2, 75, None)]:
+        x = make_input(rng, shape_of(layout, batch, tokens, heads=3, features=7), dtype)
+        packed = None if cu_seqlens is None else jnp.asarray(cu_seqlens)
+        for reverse in (False, True):
+            out = chunk_global_cumsum(x, reverse=reverse, cu_seqlens=packed, head_first=head_first,
+                                      output_dtype=jnp.float32, impl="triton", config=config)
+            ref = numpy_cumsum(x, reverse=reverse, cu_seqlens=cu_seqlens, head_first=head_first)
+            assert rel_err(out, ref) < TOLERANCE["float32"], (batch, reverse)
+        weights = make_input(rng, x.shape, dtype)
+        grad = jax.grad(lambda a: jnp.sum(weights.astype(jnp.float32) * chunk_global_cumsum(
+            a, cu_seqlens=packed, head_first=head_first, output_dtype=jnp.float32, impl="triton",
+            config=config)))(x)
+        assert grad.dtype == x.dtype
+        ref = numpy_cumsum(weights, reverse=True, cu_seqlens=cu_seqlens, head_first=head_first)
+        assert rel_err(grad, ref) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("two_pass", [False, True])
+def test_one_and_two_pass_global_cumsum(rng, monkeypatch, layout, reverse, two_pass):
+    """Autotuned (config=None), the global cumsum runs in two passes on inputs of at most
+    _TWO_PASS_MAX_BYTES with few walks (chunk totals, then chunks that start from the totals
+    before them), one walk per sequence otherwise; both, forced: a sequence of more than 64 chunks of 64 (with
+    the interpreter's 32-column tile the carry sums 64 totals a step), lengths that are no multiple of a chunk, empty and one-token
+    sequences, padding after cu_seqlens[-1], traced cu_seqlens, and unpacked rows."""
+    import ejk_lite.cumsum as cumsum
+
+    monkeypatch.setattr(cumsum, "_TWO_PASS_MAX_BYTES", 1 << 40 if two_pass else 0)
+    monkeypatch.setattr(cumsum, "_TWO_PASS_MAX_WALKS", 1 << 40)
+    head_first = layout.endswith("head_first")
+    cu = cu_from_lengths([4161, 0, 1, 64, 26])
+    x = make_input(rng, shape_of(layout, 1, int(cu[-1]) + 3, heads=2, features=1))
+    fn = jax.jit(lambda x, cu: chunk_global_cumsum(x, reverse=reverse, cu_seqlens=cu, head_first=head_first,
+                                                   impl="triton"))
+    out = fn(x, jnp.asarray(cu))
+    assert rel_err(out, numpy_cumsum(x, reverse=reverse, cu_seqlens=cu, head_first=head_first)) < TOLERANCE["float32"]
+    x = make_input(rng, shape_of(layout, 2, 130, heads=3, features=5))
+    out = chunk_global_cumsum(x, reverse=reverse, head_first=head_first, impl="triton")
+    assert rel_err(out, numpy_cumsum(x, reverse=reverse, head_first=head_first)) < TOLERANCE["float32"]
+
+
+@pytest.mark.parametrize("config", [None, CumsumConfig(block_t=16, block_c=16, split=3)])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_infinite_gates(rng, monkeypatch, config, reverse):
+    """A -inf gate (log 0) makes the sums from it on -inf and leaves the ones before it alone; a
+    +inf after it makes them NaN, as does a NaN: sequential semantics on every path (two passes,
+    one walk, split walks, whose programs start from the sums of the spans before theirs)."""
+    import ejk_lite.cumsum as cumsum
+
+    for two_pass in ([False, True] if config is None else [False]):
+        monkeypatch.setattr(cumsum, "_TWO_PASS_MAX_BYTES", 1 << 40 if two_pass else 0)
+        monkeypatch.setattr(cumsum, "_TWO_PASS_MAX_WALKS", 1 << 40)
+        x = np.asarray(make_input(rng, (2, 70, 4), "bfloat16"), np.float32)
+        x[0, 20, 0] = -np.inf  # mid-block: tokens 16-19 must stay finite
+        x[0, 21, 1], x[0, 50, 1] = -np.inf, np.inf
+        x[1, 37, 2] = np.nan
+        x = jnp.asarray(x, jnp.bfloat16)
+        out = np.asarray(chunk_global_cumsum(x, reverse=reverse, output_dtype=jnp.float32, impl="triton",
+                                             config=config), np.float64)
+        ref = numpy_cumsum(x, reverse=reverse)
+        np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
+        np.testing.assert_array_equal(np.isposinf(out), np.isposinf(ref))
+        np.testing.assert_array_equal(np.isneginf(out), np.isneginf(ref))
+        finite = np.isfinite(ref)
+        np.testing.assert_allclose(out[finite], ref[finite], rtol=1e-5, atol=1e-4)
+
+
+def test_two_pass_only_for_small_inputs_with_few_walks(monkeypatch):
+    """The autotuned global cumsum takes two passes for an input of at most _TWO_PASS_MAX_BYTES
+    with at most _TWO_PASS_MAX_WALKS one-pass walks (rows x 32-column tiles x sequences), else
+    one; a pinned config always one."""
+    import ejk_lite.cumsum as cumsum
+
+    launched = []
+    real = cumsum.triton_call
+    monkeypatch.setattr(cumsum, "triton_call", lambda *a, kernel, **k: (
+        launched.append(getattr(kernel, "fn", kernel).__name__), real(*a, kernel=kernel, **k))[1])
+
+    def kernels(shape, config=None):
+        jax.clear_caches()  # trace again: the choice is made while tracing
+        launched.clear()
+        chunk_global_cumsum(jnp.ones(shape), impl="triton", config=config)
+        return launched[:]
+
+    monkeypatch.setattr(cumsum, "_TWO_PASS_MAX_WALKS", 4)
+    assert kernels((4, 8, 32)) == ["chunk_sums_kernel", "chunk_local_cumsum_kernel"]  # 4 walks
+    assert kernels((5, 8, 32)) == ["chunk_global_cumsum_kernel"]
+    assert kernels((2, 8, 65)) == ["chunk_global_cumsum_kernel"]  # 2 x 3 column tiles
+    assert kernels((4, 8, 32), CumsumConfig()) == ["chunk_global_cumsum_kernel"]
+    monkeypatch.setattr(cumsum, "_TWO_PASS_MAX_BYTES", 4 * 8 * 32 * 4 - 1)
+    assert kernels((4, 8, 32)) == ["chunk_global_cumsum_kernel"]
