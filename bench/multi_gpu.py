@@ -45,13 +45,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import ejk_lite  # noqa: E402
-from common import (Run, device_name, past_tolerance, relative_error, spread,  # noqa: E402
-                    tolerance, write_result)
+from common import (Run, past_tolerance, relative_error, spread, tolerance,  # noqa: E402
+                    write_result)
 from ejk_lite import BlockSizes, blocksparse_attention, chunked_recurrent  # noqa: E402
 
 OP = "multi_gpu"
