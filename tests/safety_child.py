@@ -137,9 +137,15 @@ def run_kernels(op):
     if op in ("local", "global"):
         x = jnp.asarray(rng.standard_normal((1, T, 3)), f32)
 
+        # The global sum of a small input takes two passes (config None); a pinned config takes
+        # the single pass, here with its walks split over three programs each.
+        configs = [None] if op == "local" else [None, cumsum.CumsumConfig(block_t=4, block_c=4,
+                                                                        split=3)]
+
         def launches(x, cu):
-            return [cumsum._launch(x, cu, 4 if op == "local" else None, reverse, 1.0, False, f32)
-                    for reverse in (False, True)]
+            return [cumsum._launch(x, cu, 4 if op == "local" else None, reverse, 1.0, False, f32,
+                                   config)
+                    for reverse in (False, True) for config in configs]
     elif op in ("mean", "blocks"):
         x = jnp.asarray(rng.standard_normal((2, T, 5)), f32)  # two rows, as vmap folds them
         plan = pooling._plan(4, T, 5, 3, None, pooling.PoolingConfig(fwd_tile_tokens=4, bwd_tile_tokens=4))
