@@ -51,7 +51,7 @@ from ejk_lite.linear_attention import reference  # noqa: E402
 
 CHECK_SEQ_LEN = 256
 SAMPLES = 10
-BUDGET_S = 200  # the lead's limit is 4 minutes
+BUDGET_S = 240
 
 
 def _tiles(block_k: int, num_warps: int) -> dict:
@@ -64,16 +64,16 @@ def _tiles(block_k: int, num_warps: int) -> dict:
 # stored / loaded with gk, 196 / 196 with g; BK32 (4 warps) and 8 warps (BK64) do not.
 INTER_BK32 = dict(inter_grads=KernelConfig(block_k=32))
 INTER_W8 = dict(inter_grads=KernelConfig(num_warps=8))
-# (name, gate, ChunkedConfig arguments): the default first.
+# (name, gate, ChunkedConfig arguments): the default first. Offline sm_90 registers (spills) of
+# _gk_attention_kernel / _intra_grads_kernel: BK16 w4 232 / 215, BK16 w8 177 / 147, BK32 w4 255 /
+# 255 (44 bytes), BK32 w8 244 / 246, BK64 w8 254 / 255 (124 bytes).
 VARIANTS = [("gk default (BK32 w4)", "gk", {}),
             ("gk BK16 w4", "gk", _tiles(16, 4)),
             ("gk BK16 w8", "gk", _tiles(16, 8)),
             ("gk BK32 w8", "gk", _tiles(32, 8)),
             ("gk BK64 w8", "gk", _tiles(64, 8)),
             ("gk inter BK32", "gk", INTER_BK32),
-            ("gk inter w8", "gk", INTER_W8),
-            ("g default", "g", {}),
-            ("g inter w8", "g", INTER_W8)]
+            ("g default", "g", {})]
 
 
 def kernel_breakdown(fn, samples: int) -> list[tuple[str, float]]:

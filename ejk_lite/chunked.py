@@ -368,19 +368,14 @@ def _chunk_decays(a, r, i_c, start, end, row_base, i_h, offs_k, mask_k, H: tl.co
 
 
 @triton.jit
-def _decay_matrix(b_a, STRICT: tl.constexpr):
+def _decay_matrix(b_a):
     """The scalar gate's ``[rows, rows]`` decay matrix: ``exp(sum of a over (j, i])`` for rows
-    i, j, and 0 where ``j > i`` (or ``j >= i`` if ``STRICT``). Each sum is a cumulative sum along
-    i of the rows after j (``X[s, j] = a_s [s > j]``): direct, never a difference; the masked
-    entries are ``exp(-inf) = 0``, never ``inf * 0``."""
+    i, j, and 0 where ``j > i``. Each sum is a cumulative sum along i of the rows after j
+    (``X[s, j] = a_s [s > j]``): direct, never a difference; the masked entries are
+    ``exp(-inf) = 0``, never ``inf * 0``."""
     c = tl.arange(0, b_a.shape[0])
-    after = c[:, None] > c[None, :]
-    span = _prefix_sum(tl.where(after, b_a[:, None], 0.0), False)
-    if STRICT:
-        keep = after
-    else:
-        keep = c[:, None] >= c[None, :]
-    return tl.exp(tl.where(keep, span, float("-inf")))
+    span = _prefix_sum(tl.where(c[:, None] > c[None, :], b_a[:, None], 0.0), False)
+    return tl.exp(tl.where(c[:, None] >= c[None, :], span, float("-inf")))
 
 
 @triton.jit
@@ -389,6 +384,28 @@ def _load_rows(ptr, tok, valid, cols, mask_cols, STRIDE: tl.constexpr):
     rows outside the sequence read as 0."""
     return tl.load(ptr + tok[:, None] * STRIDE + cols[None, :], mask=valid[:, None] & mask_cols[None, :],
                    other=0.0)
+
+
+@triton.jit
+def _row_of_each(ptr, j, i_c, start, end, row_base, offs_k, mask_k, STRIDE: tl.constexpr,
+                 NC: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr, REVERSE: tl.constexpr):
+    """Walking row ``j`` of every sub-chunk, ``[NC, 1, BK]`` fp32 (one row a sub-chunk, to be
+    broadcast over its rows): 0 for ``j`` past the sub-chunk or a row outside the sequence."""
+    sub = tl.arange(0, NC)[:, None, None]
+    tok, valid = _rows(sub * BC + j, i_c, start, end, row_base, BT, REVERSE)
+    return tl.load(ptr + tok * STRIDE + offs_k[None, None, :],
+                   mask=valid & (j < BC) & mask_k[None, None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _decay_step(decay, a_row, rows):
+    """One token more in the spans of ``rows``: ``decay * exp(a_row)`` there, as it was elsewhere.
+
+    The diagonal blocks' decays ``exp(sum of a over (j, i])`` are grown this way, one token per
+    step, as running products of factors ``exp(a_s) <= 1``, the factors the token-by-token walk
+    multiplies: never above 1, never a difference of sums, and one ``exp`` per column a step for
+    all the rows of a sub-chunk (``a_row`` is ``[NC, 1, BK]``) instead of one per entry."""
+    return tl.where(rows, decay * tl.exp(a_row), decay)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -402,7 +419,7 @@ def _states_kernel(
     states, ht,  # outputs: the state at every chunk's start [B * NT_SLOTS, H, K, V]; final [N, H, K, V]
     H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    USE_G: tl.constexpr, USE_GK: tl.constexpr, HAS_H0: tl.constexpr,
+    USE_G: tl.constexpr, HAS_H0: tl.constexpr,
     REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr, F32_DOT: tl.constexpr, DECAYED: tl.constexpr,
 ):
     # One program: a [BK, BV] tile of one query head's state, carried in fp32 through the chunks
@@ -440,7 +457,7 @@ def _states_kernel(
             b_k = _load_rows(k + i_kv * K, tok, valid, offs_k, mask_k, H_KV * K)
         if USE_G and not DECAYED:
             _, to_end, total = _chunk_decays(a, r, i_c, start, end, row_base, i_h, offs_k, mask_k, H, K, BT,
-                                             USE_GK, REVERSE)
+                                             False, REVERSE)
             # k_j exp(Gamma - G_j): the decay from token j to the chunk's end, <= 1.
             b_k = (b_k * tl.exp(to_end)).to(k.dtype.element_ty)
             h = h * tl.exp(total)[:, None]
@@ -477,7 +494,7 @@ def _attention_kernel(
         b_k = _load_rows(k + i_kv * K, tok, valid, offs_k, mask_k, H_KV * K)
         b_a += tl.dot(b_q, tl.trans(b_k.to(b_q.dtype)), input_precision=F32_DOT)
     if USE_G:
-        b_a *= _decay_matrix(tl.load(a + tok * H + i_h, mask=valid, other=0.0), False)
+        b_a *= _decay_matrix(tl.load(a + tok * H + i_h, mask=valid, other=0.0))
     else:
         b_a = tl.where(r[:, None] >= r[None, :], b_a, 0.0)
     tl.store(A + (tok[:, None] * H + i_h) * BT + r[None, :], b_a * SCALE, mask=valid[:, None])
@@ -493,14 +510,9 @@ def _gk_attention_kernel(
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr, F32_DOT: tl.constexpr,
 ):
-    # Per-key gate. One program per chunk, every sub-chunk of it, a loop over K tiles; each tile
-    # of q, k and a is loaded once and every log-decay is formed once per tile. Its sums also give
-    # the chunk-level decays that the states and the output need, so it writes the decayed q and
-    # k and Gamma for them: they then read neither the gates nor sum anything. (The kernel this
-    # replaced ran a program per sub-chunk and formed each sub-chunk's sums again for every pair
-    # of sub-chunks and every K tile, and the diagonal blocks as [BC, BC, BK] tiles whose sums
-    # were a [BC, BC * BK] product: 2.47 ms of forward on the H100 at B4 T4096 H16 K=V=128, against
-    # 0.45 ms with a scalar gate.)
+    # Per-key gate. One program per chunk, every sub-chunk of it, a loop over K tiles. The sums
+    # of a also give the chunk-level decays the states and the output need, so it writes the
+    # decayed q and k and Gamma for them: they then read neither the gates nor sum anything.
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     i_kv = i_h // (H // H_KV)
@@ -512,49 +524,58 @@ def _gk_attention_kernel(
     r = tl.arange(0, BT)
     sub, local = r // BC, r % BC  # each row's sub-chunk, and its row within it
     tok, valid = _rows(r, i_c, start, end, row_base, BT, REVERSE)
-    cols = tl.arange(0, BC)
+    same = sub[:, None] == sub[None, :]
+    # The same rows as [NC, BC, .] tiles, a sub-chunk each, for the diagonal blocks.
+    sub3 = tl.arange(0, NC)[:, None, None]
+    local3 = tl.arange(0, BC)[None, :, None]
+    col3 = tl.arange(0, BC)[None, None, :]
+    tok3, valid3 = _rows(sub3 * BC + local3, i_c, start, end, row_base, BT, REVERSE)
 
-    b_off = tl.zeros([BT, BT], dtype=tl.float32)   # blocks of earlier sub-chunks
-    b_diag = tl.zeros([BT, BC], dtype=tl.float32)  # row i: the columns of i's own sub-chunk
+    b_off = tl.zeros([BT, BT], dtype=tl.float32)        # blocks of earlier sub-chunks
+    b_diag = tl.zeros([NC, BC, BC], dtype=tl.float32)  # the diagonal blocks
     for i_k in range(0, tl.cdiv(K, BK)):
         offs_k = i_k * BK + tl.arange(0, BK)
         mask_k = offs_k < K
-        b_q = _load_rows(q + i_h * K, tok, valid, offs_k, mask_k, H * K).to(tl.float32)
 
-        # The diagonal blocks, one key column j (of every sub-chunk at once) at a time, from the
-        # last: each step reads row j + 1 of every sub-chunk and adds it to the sums that span
-        # it, so every sum of a is direct (never a difference) and costs one addition a step:
-        #   span  over (j, i], the diagonal block's exponent (rows i < j keep 0, masked out);
-        #   after over (j, the sub-chunk's end], kept in row j: the exponent of j as a key of a
-        #         later sub-chunk.
-        span = tl.zeros([BT, BK], dtype=tl.float32)
-        run = tl.zeros([BT, BK], dtype=tl.float32)
-        after = tl.zeros([BT, BK], dtype=tl.float32)
+        # The diagonal blocks, one key column j of every sub-chunk at a time, from the last:
+        # decay holds exp(sum of a over (j, i]) for the rows i > j (1 for the others), grown by
+        # the row after j at each step (_decay_step). The same steps add up, as direct sums, the
+        # log-decays the blocks between sub-chunks need: from the sub-chunk's start to i
+        # (from_sub), and from j (exclusive) to the sub-chunk's end (after, kept in row j).
+        q3 = tl.load(q + (tok3 * H + i_h) * K + offs_k[None, None, :],
+                     mask=valid3 & mask_k[None, None, :], other=0.0).to(tl.float32)
+        decay = tl.full([NC, BC, BK], 1.0, tl.float32)
+        from_sub = tl.zeros([NC, BC, BK], dtype=tl.float32)
+        after = tl.zeros([NC, BC, BK], dtype=tl.float32)
+        run = tl.zeros([NC, 1, BK], dtype=tl.float32)
         for jj in range(0, BC):
             j = BC - 1 - jj
-            tok_n, valid_n = _rows(sub * BC + j + 1, i_c, start, end, row_base, BT, REVERSE)
-            a_next = _load_gates(a, tok_n, valid_n & (j + 1 < BC), i_h, offs_k, mask_k, H, K)
+            a_next = _row_of_each(a + i_h * K, j + 1, i_c, start, end, row_base, offs_k, mask_k, H * K,
+                                  NC, BC, BT, REVERSE)
+            decay = _decay_step(decay, a_next, local3 > j)
+            from_sub += tl.where(local3 > j, a_next, 0.0)
             run += a_next
-            span += tl.where((local > j)[:, None], a_next, 0.0)
-            after = tl.where((local == j)[:, None], run, after)
-            tok_j, valid_j = _rows(sub * BC + j, i_c, start, end, row_base, BT, REVERSE)
-            k_j = _load_rows(k + i_kv * K, tok_j, valid_j, offs_k, mask_k, H_KV * K).to(tl.float32)
-            term = tl.where((local >= j)[:, None], b_q * k_j * tl.exp(span), 0.0)
-            b_diag += tl.where(cols[None, :] == j, tl.sum(term, axis=1)[:, None], 0.0)
+            after = tl.where(local3 == j, run, after)
+            k_j = _row_of_each(k + i_kv * K, j, i_c, start, end, row_base, offs_k, mask_k, H_KV * K,
+                               NC, BC, BT, REVERSE)
+            b_diag += tl.where(col3 == j, tl.sum(q3 * k_j * decay, axis=2)[:, :, None], 0.0)
+        from_sub += _row_of_each(a + i_h * K, 0, i_c, start, end, row_base, offs_k, mask_k, H * K,
+                                 NC, BC, BT, REVERSE)
+        from_sub = tl.reshape(from_sub, (BT, BK))
+        after = tl.reshape(after, (BT, BK))
 
         # Queries in sub-chunk I, keys in an earlier J, b the boundary before I:
-        # exp(G_i - G_j) = exp(G_i - G_b) exp(G_b - G_j), both factors <= 1. The first is the sum
-        # from I's start to i (span plus the sub-chunk's first row); the second the sum from j
-        # to its sub-chunk's end (after) plus the whole of every sub-chunk between J and I,
-        # added one sub-chunk at a time as I moves on: sums of log-decays <= 0. The same walk
-        # adds up, for each row, the sub-chunks before its own (before).
-        tok_s, valid_s = _rows(sub * BC, i_c, start, end, row_base, BT, REVERSE)
-        from_start = span + _load_gates(a, tok_s, valid_s, i_h, offs_k, mask_k, H, K)
-        b_a = _load_gates(a, tok, valid, i_h, offs_k, mask_k, H, K)
+        # exp(G_i - G_b) exp(G_b - G_j), both factors <= 1. The first is the sum from I's start
+        # to i (from_sub); the second the sum from j to its sub-chunk's end (after) plus the whole
+        # of every sub-chunk between J and I, added one sub-chunk at a time as I moves on: sums
+        # of log-decays <= 0. The same walk adds up, for each row, the sub-chunks before its own
+        # (before).
+        b_q = _load_rows(q + i_h * K, tok, valid, offs_k, mask_k, H * K).to(tl.float32)
         b_k = _load_rows(k + i_kv * K, tok, valid, offs_k, mask_k, H_KV * K).to(tl.float32)
+        b_a = _load_gates(a, tok, valid, i_h, offs_k, mask_k, H, K)
         before = tl.zeros([BT, BK], dtype=tl.float32)
         if NC > 1:
-            b_qg = b_q * tl.exp(from_start)
+            b_qg = b_q * tl.exp(from_sub)
             for i_ci in tl.static_range(1, NC):
                 passed = tl.sum(tl.where((sub == i_ci - 1)[:, None], b_a, 0.0), axis=0)
                 after = tl.where((sub < i_ci - 1)[:, None], after + passed[None, :], after)
@@ -568,15 +589,16 @@ def _gk_attention_kernel(
         # rounded to the input dtype, as the states and the output multiply them.
         out = (tok[:, None] * H + i_h) * K + offs_k[None, :]
         out_mask = valid[:, None] & mask_k[None, :]
-        tl.store(qd + out, (b_q * tl.exp(from_start + before)).to(qd.dtype.element_ty), mask=out_mask)
+        tl.store(qd + out, (b_q * tl.exp(from_sub + before)).to(qd.dtype.element_ty), mask=out_mask)
         tl.store(kd + out, (b_k * tl.exp(after)).to(kd.dtype.element_ty), mask=out_mask)
         slot = i_b.to(tl.int64) * NT_SLOTS + i_t
         tl.store(gamma + (slot * H + i_h) * K + offs_k, tl.sum(b_a, axis=0), mask=mask_k)
 
-    a_rows = A + (tok[:, None] * H + i_h) * BT
     # Later sub-chunks are zero (A is lower-triangular in walking order), as b_off holds them.
-    tl.store(a_rows + r[None, :], b_off * SCALE, mask=valid[:, None] & (sub[:, None] != sub[None, :]))
-    tl.store(a_rows + (sub * BC)[:, None] + cols[None, :], b_diag * SCALE, mask=valid[:, None])
+    tl.store(A + (tok[:, None] * H + i_h) * BT + r[None, :], b_off * SCALE,
+             mask=valid[:, None] & ~same)
+    tl.store(A + (tok3 * H + i_h) * BT + sub3 * BC + col3,
+             tl.where(col3 <= local3, b_diag, 0.0) * SCALE, mask=valid3)
 
 
 @triton.jit
@@ -585,7 +607,7 @@ def _output_kernel(
     o,  # output [B * T, H, V] in the query's dtype
     H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, SCALE: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    USE_G: tl.constexpr, USE_GK: tl.constexpr, REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr,
+    USE_G: tl.constexpr, REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr,
     F32_DOT: tl.constexpr,
 ):
     # One program: a [BT, BV] tile of the output of one chunk: o = scale (q exp(G)) H + A v.
@@ -610,7 +632,7 @@ def _output_kernel(
         b_q = _load_rows(q + i_h * K, tok, valid, offs_k, mask_k, H * K)
         if USE_G:
             from_start, _, _ = _chunk_decays(a, r, i_c, start, end, row_base, i_h, offs_k, mask_k, H, K, BT,
-                                             USE_GK, REVERSE)
+                                             False, REVERSE)
             b_q = (b_q * tl.exp(from_start)).to(q.dtype.element_ty)  # decay from the chunk's start, <= 1
         b_h = tl.load(h_base + offs_k[:, None] * V + offs_v[None, :], mask=mask_k[:, None] & mask_v[None, :],
                       other=0.0)
@@ -634,7 +656,7 @@ def _state_grads_kernel(
     dstates, dh0,  # outputs: D (gradient of the state after each chunk); d initial_state
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, SCALE: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    USE_G: tl.constexpr, USE_GK: tl.constexpr, HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr,
+    USE_G: tl.constexpr, HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr,
     REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr, F32_DOT: tl.constexpr, DECAYED: tl.constexpr,
 ):
     # The walk of _states_kernel run backwards: dH = exp(Gamma) dH + (scale q exp(G))^T do.
@@ -668,7 +690,7 @@ def _state_grads_kernel(
             dh = dh * tl.exp(tl.load(a + (slot * H + i_h) * K + offs_k, mask=mask_k, other=0.0))[:, None]
         elif USE_G:
             from_start, _, total = _chunk_decays(a, r, i_c, start, end, row_base, i_h, offs_k, mask_k, H, K, BT,
-                                                 USE_GK, REVERSE)
+                                                 False, REVERSE)
             b_q = (b_q * tl.exp(from_start)).to(q.dtype.element_ty)
             dh = dh * tl.exp(total)[:, None]
         dh += SCALE * tl.dot(tl.trans(b_q), b_do.to(b_q.dtype), input_precision=F32_DOT)
@@ -721,7 +743,7 @@ def _intra_grads_kernel(
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr, F32_DOT: tl.constexpr,
 ):
-    # Per-key gates only. One program: one chunk (every sub-chunk), one K tile; the sums of a are
+    # Per-key gates only. One program: one chunk (every sub-chunk), one K tile; the decays are
     # formed as in _gk_attention_kernel. Token i as a query sees keys j <= i; as a key, queries
     # after it.
     i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -735,52 +757,62 @@ def _intra_grads_kernel(
     r = tl.arange(0, BT)
     sub, local = r // BC, r % BC
     tok, valid = _rows(r, i_c, start, end, row_base, BT, REVERSE)
+    sub3 = tl.arange(0, NC)[:, None, None]
+    local3 = tl.arange(0, BC)[None, :, None]
+    tok3, valid3 = _rows(sub3 * BC + local3, i_c, start, end, row_base, BT, REVERSE)
     offs_k = i_k * BK + tl.arange(0, BK)
     mask_k = offs_k < K
-    b_q = _load_rows(q + i_h * K, tok, valid, offs_k, mask_k, H * K).to(tl.float32) * SCALE
-    b_k = _load_rows(k + i_kv * K, tok, valid, offs_k, mask_k, H_KV * K).to(tl.float32)
-    da_rows = dA + (tok * H + i_h) * BT  # [BT] row starts
 
-    # The diagonal blocks, strictly below the diagonal, one column j of every sub-chunk at a time
-    # from the last (as _gk_attention_kernel): span = sum of a over (j, i], direct.
-    #   dq~_i += dA_ij k_j exp(span), j < i;  the key j's share of dk_j (summed over i below).
-    # And the sums the blocks between sub-chunks need: after (j to its sub-chunk's end), and
-    # from the sub-chunk's start to i (span at the end, plus the first row).
-    b_dq = tl.zeros([BT, BK], dtype=tl.float32)
-    span = tl.zeros([BT, BK], dtype=tl.float32)
-    run = tl.zeros([BT, BK], dtype=tl.float32)
-    after = tl.zeros([BT, BK], dtype=tl.float32)
+    # The diagonal blocks, strictly below the diagonal, as [NC, BC, BK] tiles (a sub-chunk
+    # each). dq~_i += dA_ij k_j exp(sum of a over (j, i]) for j < i: one column j of every
+    # sub-chunk at a time from the last, the decays grown as in _gk_attention_kernel.
+    # The same steps add up from_sub and after, as _gk_attention_kernel's.
+    da3_rows = dA + (tok3 * H + i_h) * BT + sub3 * BC  # [NC, BC, 1]: the row's diagonal block
+    dq3 = tl.zeros([NC, BC, BK], dtype=tl.float32)
+    decay = tl.full([NC, BC, BK], 1.0, tl.float32)
+    from_sub = tl.zeros([NC, BC, BK], dtype=tl.float32)
+    after = tl.zeros([NC, BC, BK], dtype=tl.float32)
+    run = tl.zeros([NC, 1, BK], dtype=tl.float32)
     for jj in range(0, BC):
         j = BC - 1 - jj
-        tok_n, valid_n = _rows(sub * BC + j + 1, i_c, start, end, row_base, BT, REVERSE)
-        a_next = _load_gates(a, tok_n, valid_n & (j + 1 < BC), i_h, offs_k, mask_k, H, K)
+        a_next = _row_of_each(a + i_h * K, j + 1, i_c, start, end, row_base, offs_k, mask_k, H * K,
+                              NC, BC, BT, REVERSE)
+        decay = _decay_step(decay, a_next, local3 > j)
+        from_sub += tl.where(local3 > j, a_next, 0.0)
         run += a_next
-        span += tl.where((local > j)[:, None], a_next, 0.0)
-        after = tl.where((local == j)[:, None], run, after)
-        tok_j, valid_j = _rows(sub * BC + j, i_c, start, end, row_base, BT, REVERSE)
-        k_j = _load_rows(k + i_kv * K, tok_j, valid_j, offs_k, mask_k, H_KV * K).to(tl.float32)
-        da_j = tl.load(da_rows + sub * BC + j, mask=valid & (local > j), other=0.0)  # dA_ij, j < i
-        b_dq += da_j[:, None] * k_j * tl.exp(span)
-    tok_s, valid_s = _rows(sub * BC, i_c, start, end, row_base, BT, REVERSE)
-    from_start = span + _load_gates(a, tok_s, valid_s, i_h, offs_k, mask_k, H, K)
-
-    # dk_j = sum_{i > j} dA_ij scale q_i exp(sum of a over (j, i]): the same sums walked the other
-    # way, one row i of every sub-chunk at a time from the first; span2 = sum over (j, i] for the
-    # rows j < i, grown by the row i each step.
-    b_dk = tl.zeros([BT, BK], dtype=tl.float32)
-    span2 = tl.zeros([BT, BK], dtype=tl.float32)
+        after = tl.where(local3 == j, run, after)
+        k_j = _row_of_each(k + i_kv * K, j, i_c, start, end, row_base, offs_k, mask_k, H_KV * K,
+                           NC, BC, BT, REVERSE)
+        da_j = tl.load(da3_rows + j, mask=valid3 & (local3 > j), other=0.0)  # dA_ij, j < i
+        dq3 += da_j * k_j * decay
+    # dk_j += sum_{i > j} dA_ij scale q_i exp(sum of a over (j, i]): the same decays walked the
+    # other way, one row i of every sub-chunk at a time from the first, the rows j < i taking
+    # the token i each step.
+    dk3 = tl.zeros([NC, BC, BK], dtype=tl.float32)
+    decay = tl.full([NC, BC, BK], 1.0, tl.float32)
     for i in range(0, BC):
-        tok_i, valid_i = _rows(sub * BC + i, i_c, start, end, row_base, BT, REVERSE)
-        span2 += tl.where((local < i)[:, None], _load_gates(a, tok_i, valid_i, i_h, offs_k, mask_k, H, K),
-                          0.0)
-        q_i = _load_rows(q + i_h * K, tok_i, valid_i, offs_k, mask_k, H * K).to(tl.float32) * SCALE
-        # dA_ij for the query i of each row j's sub-chunk (row j's column in the query's row)
-        da_i = tl.load(dA + (tok_i * H + i_h) * BT + r, mask=valid_i & (local < i), other=0.0)
-        b_dk += da_i[:, None] * q_i * tl.exp(span2)
+        a_i = _row_of_each(a + i_h * K, i, i_c, start, end, row_base, offs_k, mask_k, H * K,
+                           NC, BC, BT, REVERSE)
+        decay = _decay_step(decay, a_i, local3 < i)
+        q_i = _row_of_each(q + i_h * K, i, i_c, start, end, row_base, offs_k, mask_k, H * K,
+                           NC, BC, BT, REVERSE) * SCALE
+        tok_i, valid_i = _rows(sub3 * BC + i, i_c, start, end, row_base, BT, REVERSE)
+        # dA_ij: row i of each sub-chunk, the column of row j (its own sub-chunk's block)
+        da_i = tl.load(dA + (tok_i * H + i_h) * BT + sub3 * BC + local3,
+                       mask=valid_i & (local3 < i), other=0.0)
+        dk3 += da_i * q_i * decay
+    b_dq = tl.reshape(dq3, (BT, BK))
+    b_dk = tl.reshape(dk3, (BT, BK))
+    from_sub += _row_of_each(a + i_h * K, 0, i_c, start, end, row_base, offs_k, mask_k, H * K,
+                             NC, BC, BT, REVERSE)
+    from_sub = tl.reshape(from_sub, (BT, BK))
+    after = tl.reshape(after, (BT, BK))
 
+    b_q = _load_rows(q + i_h * K, tok, valid, offs_k, mask_k, H * K).to(tl.float32) * SCALE
+    b_k = _load_rows(k + i_kv * K, tok, valid, offs_k, mask_k, H_KV * K).to(tl.float32)
     if NC > 1:
         b_a = _load_gates(a, tok, valid, i_h, offs_k, mask_k, H, K)
-        b_da = tl.load(da_rows[:, None] + r[None, :], mask=valid[:, None], other=0.0)
+        b_da = tl.load(dA + (tok * H + i_h)[:, None] * BT + r[None, :], mask=valid[:, None], other=0.0)
         # As queries, keys in earlier sub-chunks, through the boundary at I's start (see
         # _gk_attention_kernel): dq~_i = exp(G_i - G_b) sum_J dA_iJ (k_J exp(G_b - G_J)).
         b_dq_off = tl.zeros([BT, BK], dtype=tl.float32)
@@ -791,12 +823,12 @@ def _intra_grads_kernel(
             b_kg = tl.where((sub < i_ci)[:, None], b_k * tl.exp(keys), 0.0)
             da_i = tl.where((sub == i_ci)[:, None], b_da, 0.0)  # I's rows (earlier columns: b_kg)
             b_dq_off = tl.dot(da_i, b_kg, acc=b_dq_off, input_precision=F32_DOT)
-        b_dq += b_dq_off * tl.exp(from_start)
+        b_dq += b_dq_off * tl.exp(from_sub)
         # As keys, queries in later sub-chunks, through the boundary e at J's end:
         # dk_j = exp(G_e - G_j) sum_I dA_Ij^T (scale q_I exp(G_I - G_e)), the second exponent the
         # sum from I's start to i plus every sub-chunk between J and I (added as J moves back).
         b_dk_off = tl.zeros([BT, BK], dtype=tl.float32)
-        queries = from_start
+        queries = from_sub
         for n in tl.static_range(1, NC):
             i_cj = NC - 1 - n  # J, from the last but one back to the first
             passed = tl.sum(tl.where((sub == i_cj + 1)[:, None], b_a, 0.0), axis=0)
@@ -808,7 +840,7 @@ def _intra_grads_kernel(
 
     # dG from the terms that depend on the gates; then the diagonal dA_ii (exponent 0).
     b_dg = b_q * b_dq - b_k * b_dk
-    diag = tl.load(da_rows + r, mask=valid, other=0.0)
+    diag = tl.load(dA + (tok * H + i_h) * BT + r, mask=valid, other=0.0)
     b_dq += diag[:, None] * b_k
     b_dk += diag[:, None] * b_q
     out = (tok[:, None] * H + i_h) * K + offs_k[None, :]
@@ -824,7 +856,7 @@ def _dv_kernel(
     dv,  # output [B * T, H, V] fp32, per query head
     H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    USE_G: tl.constexpr, USE_GK: tl.constexpr, REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr,
+    USE_G: tl.constexpr, REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr,
     F32_DOT: tl.constexpr, DECAYED: tl.constexpr,
 ):
     # dv = A^T do + (k exp(Gamma - G)) D. DECAYED: k is already k exp(Gamma - G), per query head.
@@ -853,7 +885,7 @@ def _dv_kernel(
         else:
             b_k = _load_rows(k + i_kv * K, tok, valid, offs_k, mask_k, H_KV * K)
         if USE_G and not DECAYED:
-            _, to_end, _ = _chunk_decays(a, r, i_c, start, end, row_base, i_h, offs_k, mask_k, H, K, BT, USE_GK,
+            _, to_end, _ = _chunk_decays(a, r, i_c, start, end, row_base, i_h, offs_k, mask_k, H, K, BT, False,
                                          REVERSE)
             b_k = (b_k * tl.exp(to_end)).to(k.dtype.element_ty)
         b_d = tl.load(d_base + offs_k[:, None] * V + offs_v[None, :], mask=mask_k[:, None] & mask_v[None, :],
@@ -930,7 +962,7 @@ def _inter_grads_kernel(
         # M the decay matrix (scalar gate) or the causal mask (already applied to dA).
         b_da = _load_rows(dA + i_h * BT, tok, valid, r, r < BT, H * BT)
         if USE_G:
-            b_da *= _decay_matrix(tl.load(a + tok * H + i_h, mask=valid, other=0.0), False)
+            b_da *= _decay_matrix(tl.load(a + tok * H + i_h, mask=valid, other=0.0))
             # This K tile's share of the scalar gate's state terms (summed over K tiles outside).
             tl.store(dg + (i_k * total_tokens + tok) * H + i_h, tl.sum(b_dg, axis=1), mask=valid)
         b_dq += tl.dot(b_da, b_k, input_precision=F32_DOT)
@@ -1005,7 +1037,7 @@ def _run_states(static, num_heads, k, v, a, h0, cu, chunk_offsets, per_row, slot
         grid=(cdiv(value_dim, block_v), cdiv(key_dim, block_k), num_seqs * num_heads),
         num_warps=static.config.states.num_warps, num_stages=static.config.states.num_stages,
         H=num_heads, H_KV=num_kv_heads, K=key_dim, V=value_dim, BT=static.chunk_size, BK=block_k, BV=block_v,
-        USE_G=flags["USE_G"], USE_GK=flags["USE_GK"], HAS_H0=h0 is not None, REVERSE=static.reverse,
+        USE_G=flags["USE_G"], HAS_H0=h0 is not None, REVERSE=static.reverse,
         IS_VARLEN=flags["IS_VARLEN"], F32_DOT=_dot_precision(k.dtype, static.config), DECAYED=decayed,
     )
 
@@ -1024,7 +1056,7 @@ def _forward_launch(static, query, key, value, a, h0, cu_seqlens):
     per_row, slots, cu, chunk_indices, chunk_offsets, flags = _layout(query, a, cu_seqlens, static.chunk_size)
     cfg, bt = static.config, static.chunk_size
     precision = _dot_precision(query.dtype, cfg)
-    common = dict(H=num_heads, H_KV=num_kv_heads, K=key_dim, BT=bt, USE_G=flags["USE_G"], USE_GK=flags["USE_GK"],
+    common = dict(H=num_heads, H_KV=num_kv_heads, K=key_dim, BT=bt, USE_G=flags["USE_G"],
                   REVERSE=static.reverse, IS_VARLEN=flags["IS_VARLEN"], F32_DOT=precision)
 
     block_k, _ = _fit(cfg.attention, key_dim, value_dim)
@@ -1046,7 +1078,7 @@ def _forward_launch(static, query, key, value, a, h0, cu_seqlens):
                                           per_row, slots, flags, _state_dtype(query.dtype), decayed=True)
         decayed = (q_decayed, k_decayed, gamma.reshape(batch, slots, num_heads, key_dim))
         query, a = q_decayed, None
-        common.update(USE_G=False, USE_GK=False)
+        common.update(USE_G=False)
     else:
         decayed = (jnp.zeros((1,), query.dtype),) * 2 + (jnp.zeros((1,), jnp.float32),)
         states, final_state = _run_states(static, num_heads, key, value, a, h0, cu, chunk_offsets, per_row, slots,
@@ -1081,7 +1113,7 @@ def _backward_launch(static, query, key, value, a, h0, cu_seqlens, A, d_o, d_fin
     use_g, use_gk = flags["USE_G"], flags["USE_GK"]
     common = dict(H=num_heads, K=key_dim, BT=bt, REVERSE=static.reverse, IS_VARLEN=flags["IS_VARLEN"],
                   F32_DOT=precision)
-    gated = dict(USE_G=use_g, USE_GK=use_gk)
+    gated = dict(USE_G=use_g)
     per_token = lambda size: jax.ShapeDtypeStruct((batch, seq_len, num_heads, size), f32)  # noqa: E731
     state_dtype = _state_dtype(query.dtype)
     a_ = _or_stand_in(a)
@@ -1160,7 +1192,8 @@ def _backward_launch(static, query, key, value, a, h0, cu_seqlens, A, d_o, d_fin
         out_shape=[per_token(key_dim), per_token(key_dim), jax.ShapeDtypeStruct(dg_shape, f32)],
         grid=(num_k_tiles, slots, batch * num_heads),
         num_warps=cfg.inter_grads.num_warps, num_stages=cfg.inter_grads.num_stages,
-        H_KV=num_kv_heads, V=value_dim, SCALE=static.scale, BK=block_k, BV=block_v, **gated, **common,
+        H_KV=num_kv_heads, V=value_dim, SCALE=static.scale, BK=block_k, BV=block_v, USE_GK=use_gk, **gated,
+        **common,
     )
     if scalar_gate:
         dg = dg_intra + dg.sum(0)
