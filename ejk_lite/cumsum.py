@@ -123,6 +123,40 @@ _MAX_GRID_YZ = 65535  # CUDA's limit on the 2nd and 3rd grid dimensions
 
 
 @triton.jit
+def _offsets(tokens, cols, T, C: tl.constexpr, TOKENS_CONTIGUOUS: tl.constexpr):
+    """``[len(tokens), len(cols)]`` offsets of elements (token, column) in a row (layouts above)."""
+    if TOKENS_CONTIGUOUS:
+        offsets = tokens[:, None] + cols[None, :] * T
+    else:
+        offsets = tokens[:, None] * C + cols[None, :]
+    return offsets
+
+
+@triton.jit
+def _span_total(
+    x_ptr,  # a row, laid out as the kernels' rows (T tokens, or entries, x C columns)
+    first_token, count,  # the tokens first_token, first_token + 1, ... (- 1, ... REVERSE): count
+    keep, cols, T, C: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    NUM_STAGES: tl.constexpr,  # None: a plain range, no pipelining asked for
+    REVERSE: tl.constexpr, TOKENS_CONTIGUOUS: tl.constexpr,
+):
+    """``[BLOCK_C]`` float32: the total of ``count`` tokens of columns ``cols``, read in order.
+
+    Elementwise adds into a ``[BLOCK_T, BLOCK_C]`` float32 tile, one ``tl.sum`` at the end: no
+    carry from block to block, so the loads stream instead of waiting on each block's sum.
+    """
+    acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    for first in tl.range(0, count, BLOCK_T, num_stages=NUM_STAGES):
+        ahead = first + tl.arange(0, BLOCK_T)  # tokens counted from first_token
+        tokens = first_token - ahead if REVERSE else first_token + ahead
+        mask = (ahead[:, None] < count) & (cols[None, :] < C)
+        offsets = _offsets(tokens, cols, T, C, TOKENS_CONTIGUOUS)
+        acc += tl.load(x_ptr + offsets, mask=mask & keep, other=0.0).to(tl.float32)
+    return tl.sum(acc, axis=0)
+
+
+@triton.jit
 def _scan_span(
     x_ptr, out_ptr,  # this program's row: its element (t, c) is at offset t*C + c (or c*T + t)
     start, end,  # the segment: tokens start <= t < end
@@ -158,10 +192,7 @@ def _scan_span(
             tokens = end - 1 - first - tl.arange(0, BLOCK_T)
         else:
             tokens = start + first + tl.arange(0, BLOCK_T)
-        if TOKENS_CONTIGUOUS:
-            offsets = tokens[:, None] + cols[None, :] * T
-        else:
-            offsets = tokens[:, None] * C + cols[None, :]
+        offsets = _offsets(tokens, cols, T, C, TOKENS_CONTIGUOUS)
         mask = (tokens[:, None] >= start) & (tokens[:, None] < end) & col_mask[None, :]
         # Masked tokens load as 0: they add nothing to the sums of the tokens that are kept.
         x = tl.load(x_ptr + offsets, mask=mask & keep, other=0.0).to(tl.float32)
@@ -282,14 +313,11 @@ def chunk_local_cumsum_kernel(
         count = tl.minimum(tl.maximum(tl.where(start < end, count, 0), 0), total_chunks - first)
         cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         ENTRIES: tl.constexpr = 2048 // BLOCK_C if BLOCK_C < 2048 else 1  # 2048 floats a step
-        entries = tl.arange(0, ENTRIES)
         totals = sums_ptr + tl.program_id(2).to(tl.int64) * total_chunks * C
-        acc = tl.zeros([ENTRIES, BLOCK_C], dtype=tl.float32)
-        for e in range(0, count, ENTRIES):
-            mask = (e + entries[:, None] < count) & (cols[None, :] < C)
-            offsets = (first + e + entries[:, None]) * C + cols[None, :]
-            acc += tl.load(totals + offsets, mask=mask, other=0.0)
-        carry = tl.sum(acc, axis=0)
+        # The totals are a row of total_chunks entries x C columns: summed as count tokens.
+        carry = _span_total(totals, first, count, True, cols, total_chunks, C, BLOCK_T=ENTRIES,
+                            BLOCK_C=BLOCK_C, NUM_STAGES=None, REVERSE=False,
+                            TOKENS_CONTIGUOUS=False)
     _scan_span(x_ptr + row, out_ptr + row, start, end, keep, carry, T, C, scale, BLOCK_T=BLOCK_T,
                BLOCK_C=BLOCK_C, NUM_STAGES=NUM_STAGES, REVERSE=REVERSE,
                TOKENS_CONTIGUOUS=TOKENS_CONTIGUOUS)
@@ -308,17 +336,11 @@ def chunk_sums_kernel(
     start, end, keep, _, _, _ = _chunk_bounds(i_chunk, cu_seqlens_ptr, chunk_indices_ptr, T,
                                               num_seqs, CHUNK, IS_VARLEN)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-    for first in range(start, end, BLOCK_T):
-        tokens = first + tl.arange(0, BLOCK_T)
-        if TOKENS_CONTIGUOUS:
-            offsets = tokens[:, None] + cols[None, :] * T
-        else:
-            offsets = tokens[:, None] * C + cols[None, :]
-        mask = (tokens[:, None] < end) & (cols[None, :] < C)
-        acc += tl.load(x_ptr + row + offsets, mask=mask & keep, other=0.0).to(tl.float32)
+    total = _span_total(x_ptr + row, start, end - start, keep, cols, T, C, BLOCK_T=BLOCK_T,
+                        BLOCK_C=BLOCK_C, NUM_STAGES=None, REVERSE=False,
+                        TOKENS_CONTIGUOUS=TOKENS_CONTIGUOUS)
     totals = sums_ptr + (tl.program_id(2).to(tl.int64) * total_chunks + i_chunk) * C
-    tl.store(totals + cols, tl.sum(acc, axis=0), mask=cols < C)
+    tl.store(totals + cols, total, mask=cols < C)
 
 
 @functools.cache
@@ -418,17 +440,10 @@ def chunk_global_cumsum_kernel(
         mine = tl.minimum(span, end - start - walked)
         walked = tl.where(mine > 0, walked, 0)  # an empty span needs no sum
         cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-        for first in tl.range(0, walked, BLOCK_T, num_stages=NUM_STAGES):
-            ahead = first + tl.arange(0, BLOCK_T)  # tokens from the sequence's first (last)
-            tokens = end - 1 - ahead if REVERSE else start + ahead
-            if TOKENS_CONTIGUOUS:
-                offsets = tokens[:, None] + cols[None, :] * T
-            else:
-                offsets = tokens[:, None] * C + cols[None, :]
-            mask = (ahead[:, None] < walked) & (cols[None, :] < C)
-            acc += tl.load(x_ptr + row + offsets, mask=mask & keep, other=0.0).to(tl.float32)
-        carry = tl.sum(acc, axis=0)
+        # The walked tokens, from the sequence's first (last, REVERSE) in the order of the sum.
+        carry = _span_total(x_ptr + row, end - 1 if REVERSE else start, walked, keep, cols, T, C,
+                            BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, NUM_STAGES=NUM_STAGES,
+                            REVERSE=REVERSE, TOKENS_CONTIGUOUS=TOKENS_CONTIGUOUS)
         if REVERSE:
             end = end - walked
             start = end - mine
