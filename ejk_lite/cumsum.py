@@ -381,15 +381,16 @@ def _local_autotuned(chunk_size: int):
 # reads them (in the same order, from the same offsets), so mostly from L2. More programs, a
 # shorter chain of scans, but the last program still streams the whole sequence.
 #
-# Measured (H100, bench/_probe_cumsum.py run at the branch, not recorded; forward, device time,
-# median of 10, % of the 3032 GB/s copy). Vector gates, bfloat16: the best tile, 128 x 32 with
-# 4 warps and 3 stages, 0.0681 ms, 65.0% (as before: bound by instruction issue, above); SPLIT 2
-# on it 0.0813 ms, 54.4%, slower. SPLIT helps few, long walks: the scalar gates forced into one
-# pass, the best SPLIT 8 tile (512 x 8, 4 warps, 3 stages) took 0.0132 ms, the best unsplit one
-# (1024 x 4) 0.0212. A scan on the tensor cores (each 16-bit block's prefix sums as tl.dot of a
-# lower triangle of ones and the block) reached 79.9% (128 x 32), but its sums were wrong at the
-# benchmark's sizes (relative error 2.0e-2 to 1.4e-1 against float64, tolerance 1.6e-2; right on
-# the tests' small shapes), cause not found: removed.
+# SPLIT is for few, long walks. On the vector gates it did not help: a probe on the H100 (not
+# recorded) found SPLIT 2 on the 128 x 32 tile slower than SPLIT 1, and with SPLIT in the list
+# the recorded run (bench/results/cumsum.json, f7b2211: forward, device time, median of 10)
+# autotuned to 0.0673 ms, 65.8% of the 3032 GB/s copy, in bfloat16 and 0.1009 ms, 87.7%, in
+# float32, as before SPLIT (fdebc21: 65.6% and 87.9%): bound by instruction issue, above. The
+# same probe found SPLIT 8 faster than SPLIT 1 on the scalar gates forced into one pass; no
+# figure of that is recorded. A scan on the tensor cores (each 16-bit block's prefix sums as
+# tl.dot of a lower triangle of ones and the block) was faster in that probe too, but its sums
+# were wrong at the benchmark's sizes (relative errors above the bfloat16 tolerance, 1.6e-2,
+# against float64; right on the tests' small shapes), cause not found: removed.
 _GLOBAL_TILES = [  # (BLOCK_T, BLOCK_C, num_warps, NUM_STAGES, SPLIT)
     (64, 32, 4, 3, 1),  # first: CumsumConfig()'s default, what the interpreter runs
     (128, 32, 4, 3, 1),
@@ -400,7 +401,9 @@ _GLOBAL_TILES = [  # (BLOCK_T, BLOCK_C, num_warps, NUM_STAGES, SPLIT)
     (256, 32, 8, 2, 1),
     (512, 8, 4, 3, 1),
     (1024, 4, 4, 3, 1),
-    (128, 32, 4, 3, 2),  # vector gates: two programs a walk
+    # An autotune candidate, not a known win: SPLIT 2 on the vector gates' best tile was slower
+    # than SPLIT 1 there (above), and no input is known where it is faster.
+    (128, 32, 4, 3, 2),
     (256, 16, 4, 3, 8),  # few, long walks (the two-pass path takes small inputs)
     (512, 8, 4, 3, 8),
 ]
@@ -460,16 +463,18 @@ _global_autotuned = triton.autotune(configs=_GLOBAL_CONFIGS, key=["T", "C"])(chu
 
 # Small inputs take the global cumsum in two passes instead (with config=None): the scalar gates
 # of the benchmark, [8, 8192, 16], are 128 sums of 8192 tokens, and one walk per sum (8 programs
-# of 16 columns) took 0.0219 ms in float32 where XLA took 0.0128 (fdebc21): 4 MB, no program with
-# enough work in flight. Pass one, chunk_sums_kernel, writes the float32 total of every chunk of
-# _TWO_PASS_CHUNK tokens; pass two is the local kernel over the same chunks (CARRY), each chunk
-# starting from the totals of the chunks before it in its sequence: one program per chunk, as
-# the local cumsum (0.0041 ms at that shape). Pass two reads the input again, from L2 as long as
-# it fits there (50 MB on the H100), hence the bound on the input's size; and an input with
-# enough walks to fill the GPU (many rows, columns or sequences) keeps the one pass, which reads
-# it once. Measured (H100, bench/_probe_cumsum.py run at the branch, not recorded; forward,
-# device time, median of 10) at [8, 8192, 16]: two passes 0.0074 ms in bfloat16, 0.0079 in float32,
-# against XLA's 0.0129 and 0.0135 and the one pass before (fdebc21's tiles) 0.0211 and 0.0219.
+# of 16 columns) took 0.0219 ms in float32 where XLA took 0.0128 (bench/results/cumsum.json as
+# recorded at fdebc21, commit aecf2de: H100, forward, device time, median of 10): 4 MB, no
+# program with enough work in flight. Pass one, chunk_sums_kernel, writes the float32 total of
+# every chunk of _TWO_PASS_CHUNK tokens; pass two is the local kernel over the same chunks
+# (CARRY), each chunk starting from the totals of the chunks before it in its sequence: one
+# program per chunk, as the local cumsum (0.0041 ms at that shape, same record). Pass two reads
+# the input again, from L2 as long as it fits there (50 MB on the H100), hence the bound on the
+# input's size; and an input with enough walks to fill the GPU (many rows, columns or
+# sequences) keeps the one pass, which reads it once. Recorded at [8, 8192, 16]
+# (bench/results/cumsum.json, f7b2211: H100, forward, device time, median of 10): two passes
+# 0.0075 ms in bfloat16 and 0.0073 in float32, against XLA's 0.0126 and 0.0128 (the one pass at
+# fdebc21: 0.0213 and 0.0219).
 # Both bounds are guesses from the reasoning above: only the benchmark's shapes were timed.
 _TWO_PASS_CHUNK = 64
 _TWO_PASS_MAX_BYTES = 16 << 20
