@@ -41,10 +41,10 @@ Implementations (``impl=``):
   The local kernel has one program per (chunk, column tile, row); the global kernel one per
   (sequence, column tile, row), or ``SPLIT`` per sequence, each starting from the sum of the
   tokens before its span. Every element is written once and read once (the global kernel's
-  ``SPLIT`` reads spans again, mostly from L2). Small inputs (``_TWO_PASS_MAX_BYTES``) take the
-  global cumsum in two passes instead: chunk totals, then the local kernel with each chunk
-  starting from the totals before it. Under ``jax.vmap`` the mapped axis is folded into the
-  rows: a batch is one launch.
+  ``SPLIT`` reads spans again, mostly from L2). Small inputs (``_TWO_PASS_MAX_BYTES``) of
+  sequences of at most ``_TWO_PASS_MAX_CHUNKS`` chunks take the global cumsum in two passes
+  instead: chunk totals, then the local kernel with each chunk starting from the totals before
+  it. Under ``jax.vmap`` the mapped axis is folded into the rows: a batch is one launch.
 * ``"xla"``: plain ``jax.numpy``/``lax`` ops, differentiated by JAX itself.
 * ``"auto"``: Triton on a GPU, XLA otherwise (the interpreter is for testing, not for speed).
 
@@ -475,10 +475,21 @@ _global_autotuned = triton.autotune(configs=_GLOBAL_CONFIGS, key=["T", "C"])(chu
 # (bench/results/cumsum.json, f7b2211: H100, forward, device time, median of 10): two passes
 # 0.0075 ms in bfloat16 and 0.0073 in float32, against XLA's 0.0126 and 0.0128 (the one pass at
 # fdebc21: 0.0213 and 0.0219).
-# Both bounds are guesses from the reasoning above: only the benchmark's shapes were timed.
+#
+# Pass two's carry adds up, for every chunk, the totals of all the chunks before it (after it,
+# REVERSE) in its sequence: n(n - 1)/2 totals a column for a sequence of n chunks, quadratic in
+# n where the one pass is linear. Those float32 reads come to (n - 1)/64 of the input's bytes
+# in bfloat16 ((n - 1)/128 in float32), from L2 (the totals are 1/32 of a bfloat16 input), hence
+# a bound on a sequence's chunks. The benchmark's sequences are 128 chunks, where the carry reads
+# twice the input's bytes in bfloat16 and the two passes still took about a third of the one
+# pass's time (above); longer sequences, never timed in two passes, walk in one. The bound is on
+# cdiv(T, _TWO_PASS_CHUNK): T bounds every sequence's length (with cu_seqlens the lengths are
+# traced), so a packing of more tokens takes one pass however short its sequences.
+# All three bounds are guesses from the reasoning above: only the benchmark's shapes were timed.
 _TWO_PASS_CHUNK = 64
 _TWO_PASS_MAX_BYTES = 16 << 20
 _TWO_PASS_MAX_WALKS = 512  # about 4 walks of 32 columns an SM on the H100's 132
+_TWO_PASS_MAX_CHUNKS = 128  # chunks of _TWO_PASS_CHUNK tokens a sequence: 8192 tokens
 
 
 # ----------------------------------------------------------------------------------------------
@@ -573,7 +584,8 @@ def _launch_rows(x, cu_seqlens, *, chunk_size, reverse, scale, head_first, out_d
                                             num_stages=config.num_stages)
     walks = N * cdiv(C, 32) * (num_seqs + 1 if varlen else 1)  # one-pass programs, 32 columns
     two_pass = (chunk_size is None and config is None and view.nbytes <= _TWO_PASS_MAX_BYTES
-                and walks <= _TWO_PASS_MAX_WALKS)
+                and walks <= _TWO_PASS_MAX_WALKS
+                and cdiv(T, _TWO_PASS_CHUNK) <= _TWO_PASS_MAX_CHUNKS)  # T: the longest sequence
     if chunk_size is None and not two_pass:
         num_segments = num_seqs + 1 if varlen else 1
         kernel = _global_autotuned if config is None else chunk_global_cumsum_kernel
