@@ -92,8 +92,8 @@ from ejk_lite.packing import (
     sanitize_cu_seqlens,
 )
 
-__all__ = ["chunk_local_cumsum", "chunk_global_cumsum", "reference_local_cumsum", "reference_global_cumsum",
-           "CumsumConfig"]
+__all__ = ["chunk_local_cumsum", "chunk_global_cumsum", "reference_local_cumsum",
+           "reference_global_cumsum", "CumsumConfig"]
 
 _MAX_GRID_YZ = 65535  # CUDA's limit on the 2nd and 3rd grid dimensions
 
@@ -102,12 +102,13 @@ _MAX_GRID_YZ = 65535  # CUDA's limit on the 2nd and 3rd grid dimensions
 # The kernels.
 #
 # The kernels see every input as ``rows`` of a ``[N, T, C]`` array: ``N`` independent rows (batch
-# entries, or (batch, head) pairs), ``T`` tokens, ``C`` columns that are summed independently (heads,
-# features). Element ``(n, t, c)`` sits at ``(n*T + t)*C + c``, so a tile of tokens x columns reads
-# whole contiguous rows of columns. The one exception is the head-first scalar layout ``[B, H, T]``,
-# where the tokens are contiguous: there ``TOKENS_CONTIGUOUS`` puts element ``(n, t, c)`` at
-# ``(n*C + c)*T + t``. Both are reshapes of the caller's array, never copies; strides are spelled
-# out in the kernel (not passed in) so Triton knows which axis is contiguous and vectorises it.
+# entries, or (batch, head) pairs), ``T`` tokens, ``C`` columns that are summed independently
+# (heads, features). Element ``(n, t, c)`` sits at ``(n*T + t)*C + c``, so a tile of tokens x
+# columns reads whole contiguous rows of columns. The one exception is the head-first scalar
+# layout ``[B, H, T]``, where the tokens are contiguous: there ``TOKENS_CONTIGUOUS`` puts element
+# ``(n, t, c)`` at ``(n*C + c)*T + t``. Both are reshapes of the caller's array, never copies;
+# strides are spelled out in the kernel (not passed in) so Triton knows which axis is contiguous
+# and vectorises it.
 #
 # ``C`` is a compile-time constant for the same reason. jax-triton (0.3.1) passes an int argument
 # with no divisibility hint, so with ``C`` a runtime int Triton cannot prove that a row of columns
@@ -116,9 +117,9 @@ _MAX_GRID_YZ = 65535  # CUDA's limit on the 2nd and 3rd grid dimensions
 # ``ld.global.b16`` per thread in bfloat16 (16 ``ld.global.b32`` in float32). Knowing ``C``
 # (2048 in the benchmark) it emits 2 ``ld.global.v4.b32`` (4 in float32), 16 bytes each. Element
 # by element, bfloat16 issued as many memory instructions as float32 for half the bytes, and on
-# the H100 it reached 73% of the copy bandwidth where float32 reached 94% (bench/results/cumsum.json,
-# chunk-local, [4, 4096, 16, 128]). ``C`` is heads x features, fixed for a model: one compile per
-# model, as the autotuner's key already had it.
+# the H100 it reached 73% of the copy bandwidth where float32 reached 94%
+# (bench/results/cumsum.json, chunk-local, [4, 4096, 16, 128]). ``C`` is heads x features, fixed
+# for a model: one compile per model, as the autotuner's key already had it.
 # ----------------------------------------------------------------------------------------------
 
 
@@ -171,8 +172,8 @@ def _scan_span(
     Tokens are taken ``BLOCK_T`` at a time. Each block is scanned on its own with ``tl.cumsum``
     and the running total of the blocks before it is added: the classic two-level scan, with the
     upper level a single float32 register per column. A reverse sum is a forward sum read
-    backwards: row ``i`` of the block is token ``end - 1 - i`` (then ``end - 1 - BLOCK_T - i``, ...),
-    so the same forward ``tl.cumsum`` gives suffix sums (measured faster on an H100 than
+    backwards: row ``i`` of the block is token ``end - 1 - i`` (then ``end - 1 - BLOCK_T - i``,
+    ...), so the same forward ``tl.cumsum`` gives suffix sums (measured faster on an H100 than
     ``tl.cumsum(..., reverse=True)``).
 
     With ``NUM_STAGES > 1`` Triton pipelines the walk: the loads of the next ``NUM_STAGES - 1``
@@ -185,7 +186,8 @@ def _scan_span(
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_mask = cols < C
     # jax-triton hands a Python float over as float64: multiplying the float32 sums by it would
-    # convert every element to float64 and back. (The default scale, 1.0, arrives as the constant 1.)
+    # convert every element to float64 and back. (The default scale, 1.0, arrives as the
+    # constant 1.)
     scale = tl.cast(scale, tl.float32)
     for first in tl.range(0, end - start, BLOCK_T, num_stages=NUM_STAGES):
         if REVERSE:
@@ -346,7 +348,8 @@ def chunk_sums_kernel(
 @functools.cache
 def _local_autotuned(chunk_size: int):
     """The local kernel autotuned over :func:`_local_configs` (one tuner per chunk size)."""
-    return triton.autotune(configs=_local_configs(chunk_size), key=["T", "C"])(chunk_local_cumsum_kernel)
+    tune = triton.autotune(configs=_local_configs(chunk_size), key=["T", "C"])
+    return tune(chunk_local_cumsum_kernel)
 
 
 # The global kernel runs the same loop over a whole sequence. Its parallelism is rows x column
@@ -458,7 +461,8 @@ def chunk_global_cumsum_kernel(
                TOKENS_CONTIGUOUS=TOKENS_CONTIGUOUS)
 
 
-_global_autotuned = triton.autotune(configs=_GLOBAL_CONFIGS, key=["T", "C"])(chunk_global_cumsum_kernel)
+_global_autotuned = triton.autotune(configs=_GLOBAL_CONFIGS, key=["T", "C"])(
+    chunk_global_cumsum_kernel)
 
 
 # Small inputs take the global cumsum in two passes instead (with config=None): the scalar gates
@@ -521,7 +525,8 @@ class CumsumConfig:
     split: int = 1
 
     def __post_init__(self):
-        freeze_fields(self, validated_fields(self, powers_of_two=("block_t", "block_c", "num_warps")))
+        fields = validated_fields(self, powers_of_two=("block_t", "block_c", "num_warps"))
+        freeze_fields(self, fields)
         for name in ("block_t", "block_c", "num_warps", "num_stages", "split"):
             if getattr(self, name) is None:
                 raise ValueError(f"CumsumConfig.{name} must be a positive int, got None")
@@ -566,7 +571,8 @@ def _launch_rows(x, cu_seqlens, *, chunk_size, reverse, scale, head_first, out_d
                          f"the size of any vmapped axes) exceed the grid limit of {_MAX_GRID_YZ}; "
                          f"use impl='xla'")
     if T * C >= 2**31:
-        raise ValueError(f"one row of {T} tokens x {C} columns exceeds 2**31 elements; use impl='xla'")
+        raise ValueError(f"one row of {T} tokens x {C} columns exceeds 2**31 elements; "
+                         f"use impl='xla'")
     varlen = cu_seqlens is not None
     if varlen:
         # One extra "sequence" covers the tokens past cu_seqlens[-1] (usually none): the kernels
@@ -601,10 +607,10 @@ def _launch_rows(x, cu_seqlens, *, chunk_size, reverse, scale, head_first, out_d
     if two_pass:
         chunk_size = _TWO_PASS_CHUNK
     if varlen:
-        # The number of chunks depends on the lengths, which are traced under jax.jit, but the grid
-        # must be static. Launch an upper bound instead: each of the num_seqs + 1 sequences adds at
-        # most one partial chunk to the cdiv(T, chunk_size) full ones. prepare_chunk_indices gives the
-        # spare programs (-1, -1), and they do nothing.
+        # The number of chunks depends on the lengths, which are traced under jax.jit, but the
+        # grid must be static. Launch an upper bound instead: each of the num_seqs + 1 sequences
+        # adds at most one partial chunk to the cdiv(T, chunk_size) full ones.
+        # prepare_chunk_indices gives the spare programs (-1, -1), and they do nothing.
         total = cdiv(T, chunk_size) + num_seqs + 1
         chunk_indices = prepare_chunk_indices(cu, chunk_size, total_chunks=total).astype(jnp.int32)
     else:
@@ -639,12 +645,14 @@ def _launch_rows(x, cu_seqlens, *, chunk_size, reverse, scale, head_first, out_d
 # dx[u] = scale * sum_{t in seg(u), t >= u} dout[t]. So the backward pass is the same kernel with
 # `reverse` flipped, writing the input's dtype. cu_seqlens (integers) gets no cotangent.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7, 8))
-def _cumsum_triton(x, cu_seqlens, chunk_size, reverse, scale, head_first, out_dtype, in_dtype, config):
+def _cumsum_triton(x, cu_seqlens, chunk_size, reverse, scale, head_first, out_dtype, in_dtype,
+                   config):
     return _launch(x, cu_seqlens, chunk_size, reverse, scale, head_first, out_dtype, config)
 
 
 def _fwd(x, cu_seqlens, chunk_size, reverse, scale, head_first, out_dtype, in_dtype, config):
-    return _launch(x, cu_seqlens, chunk_size, reverse, scale, head_first, out_dtype, config), cu_seqlens
+    out = _launch(x, cu_seqlens, chunk_size, reverse, scale, head_first, out_dtype, config)
+    return out, cu_seqlens
 
 
 def _bwd(chunk_size, reverse, scale, head_first, out_dtype, in_dtype, config, cu_seqlens, dout):
@@ -672,7 +680,8 @@ def _xla_cumsum(x, cu_seqlens, chunk_size, reverse, scale, head_first, out_dtype
         pad = [(0, 0)] * acc.ndim
         pad[axis] = (0, num_chunks * chunk_size - T)
         padded = jnp.pad(acc, pad)
-        chunked = padded.reshape(padded.shape[:axis] + (num_chunks, chunk_size) + padded.shape[axis + 1:])
+        chunked = padded.reshape(padded.shape[:axis] + (num_chunks, chunk_size)
+                                 + padded.shape[axis + 1:])
         sums = lax.cumsum(chunked, axis=axis + 1, reverse=reverse).reshape(padded.shape)
         sums = lax.slice_in_dim(sums, 0, T, axis=axis)
     else:
@@ -690,7 +699,8 @@ def _segment_flags(cu_seqlens, T, chunk_size, reverse):
     starts = (offset == 0) | ~inside  # each padding token is a segment of its own (zeroed later)
     if not reverse:
         return starts, inside
-    return jnp.concatenate([starts[1:], jnp.ones((1,), bool)]), inside  # a segment ends before a start
+    ends = jnp.concatenate([starts[1:], jnp.ones((1,), bool)])  # a segment ends before a start
+    return ends, inside
 
 
 def _segmented_cumsum(x, flags, axis, reverse):
@@ -729,13 +739,15 @@ def _reference(x, chunk_size, reverse, softmax_scale, cu_seqlens, head_first, ou
     axis = 2 if head_first else 1
     T = x.shape[axis]
     t = jnp.arange(T)
-    position = t if cu_seqlens is None else prepare_position_ids(jnp.asarray(cu_seqlens), total_tokens=T)
+    position = (t if cu_seqlens is None
+                else prepare_position_ids(jnp.asarray(cu_seqlens), total_tokens=T))
     offset = position if chunk_size is None else position % chunk_size
     segment = jnp.where(position >= 0, t - offset, -1)  # a segment is named by its first token
     same_segment = (segment[:, None] == segment[None, :]) & (segment[:, None] >= 0)
     counted = t[None, :] >= t[:, None] if reverse else t[None, :] <= t[:, None]
     acc_dtype = jnp.promote_types(x.dtype, jnp.float32)
-    weights = (same_segment & counted).astype(acc_dtype)  # weights[t, u]: does x[u] count in out[t]?
+    # weights[t, u]: does x[u] count in out[t]?
+    weights = (same_segment & counted).astype(acc_dtype)
     xt = jnp.moveaxis(x.astype(acc_dtype), axis, 1)
     out = jnp.einsum("tu,bu...->bt...", weights, xt, precision=lax.Precision.HIGHEST)
     out = jnp.moveaxis(out, 1, axis)
@@ -819,18 +831,21 @@ def _cumsum(x, name, chunk_size, reverse, softmax_scale, cu_seqlens, head_first,
     if impl == "triton":
         check_triton_dtype(x, name)
     return _checked_cumsum(x, cu_seqlens, chunk_size=chunk_size, reverse=bool(reverse), scale=scale,
-                           head_first=bool(head_first), out_dtype=out_dtype, impl=impl, config=config)
+                           head_first=bool(head_first), out_dtype=out_dtype, impl=impl,
+                           config=config)
 
 
-# Everything after the checks is one jitted function of (x, cu_seqlens): eager calls compile once per
-# shape and flags, instead of dispatching each small op on its own.
-@functools.partial(jax.jit, static_argnames=("chunk_size", "reverse", "scale", "head_first", "out_dtype", "impl",
-                                             "config"))
-def _checked_cumsum(x, cu_seqlens, *, chunk_size, reverse, scale, head_first, out_dtype, impl, config):
+# Everything after the checks is one jitted function of (x, cu_seqlens): eager calls compile once
+# per shape and flags, instead of dispatching each small op on its own.
+@functools.partial(jax.jit, static_argnames=("chunk_size", "reverse", "scale", "head_first",
+                                             "out_dtype", "impl", "config"))
+def _checked_cumsum(x, cu_seqlens, *, chunk_size, reverse, scale, head_first, out_dtype, impl,
+                    config):
     if cu_seqlens is not None:
         # Traced values were not checked: both implementations see the nearest valid packing, so
         # that no kernel can be sent outside x (and the two agree even on garbage).
         cu_seqlens = sanitize_cu_seqlens(cu_seqlens, x.shape[2 if head_first else 1])
     if impl == "xla":
         return _xla_cumsum(x, cu_seqlens, chunk_size, reverse, scale, head_first, out_dtype)
-    return _cumsum_triton(x, cu_seqlens, chunk_size, reverse, scale, head_first, out_dtype, x.dtype, config)
+    return _cumsum_triton(x, cu_seqlens, chunk_size, reverse, scale, head_first, out_dtype, x.dtype,
+                          config)
