@@ -41,10 +41,10 @@ Implementations (``impl=``):
   The local kernel has one program per (chunk, column tile, row); the global kernel one per
   (sequence, column tile, row), or ``SPLIT`` per sequence, each starting from the sum of the
   tokens before its span. Every element is written once and read once (the global kernel's
-  ``SPLIT`` reads spans again, mostly from L2). Small inputs (``_TWO_PASS_MAX_BYTES``) take the
-  global cumsum in two passes instead: chunk totals, then the local kernel with each chunk
-  starting from the totals before it. Under ``jax.vmap`` the mapped axis is folded into the
-  rows: a batch is one launch.
+  ``SPLIT`` reads spans again, mostly from L2). Small inputs (``_TWO_PASS_MAX_BYTES``) of
+  sequences of at most ``_TWO_PASS_MAX_CHUNKS`` chunks take the global cumsum in two passes
+  instead: chunk totals, then the local kernel with each chunk starting from the totals before
+  it. Under ``jax.vmap`` the mapped axis is folded into the rows: a batch is one launch.
 * ``"xla"``: plain ``jax.numpy``/``lax`` ops, differentiated by JAX itself.
 * ``"auto"``: Triton on a GPU, XLA otherwise (the interpreter is for testing, not for speed).
 
@@ -92,8 +92,8 @@ from ejk_lite.packing import (
     sanitize_cu_seqlens,
 )
 
-__all__ = ["chunk_local_cumsum", "chunk_global_cumsum", "reference_local_cumsum", "reference_global_cumsum",
-           "CumsumConfig"]
+__all__ = ["chunk_local_cumsum", "chunk_global_cumsum", "reference_local_cumsum",
+           "reference_global_cumsum", "CumsumConfig"]
 
 _MAX_GRID_YZ = 65535  # CUDA's limit on the 2nd and 3rd grid dimensions
 
@@ -102,12 +102,13 @@ _MAX_GRID_YZ = 65535  # CUDA's limit on the 2nd and 3rd grid dimensions
 # The kernels.
 #
 # The kernels see every input as ``rows`` of a ``[N, T, C]`` array: ``N`` independent rows (batch
-# entries, or (batch, head) pairs), ``T`` tokens, ``C`` columns that are summed independently (heads,
-# features). Element ``(n, t, c)`` sits at ``(n*T + t)*C + c``, so a tile of tokens x columns reads
-# whole contiguous rows of columns. The one exception is the head-first scalar layout ``[B, H, T]``,
-# where the tokens are contiguous: there ``TOKENS_CONTIGUOUS`` puts element ``(n, t, c)`` at
-# ``(n*C + c)*T + t``. Both are reshapes of the caller's array, never copies; strides are spelled
-# out in the kernel (not passed in) so Triton knows which axis is contiguous and vectorises it.
+# entries, or (batch, head) pairs), ``T`` tokens, ``C`` columns that are summed independently
+# (heads, features). Element ``(n, t, c)`` sits at ``(n*T + t)*C + c``, so a tile of tokens x
+# columns reads whole contiguous rows of columns. The one exception is the head-first scalar
+# layout ``[B, H, T]``, where the tokens are contiguous: there ``TOKENS_CONTIGUOUS`` puts element
+# ``(n, t, c)`` at ``(n*C + c)*T + t``. Both are reshapes of the caller's array, never copies;
+# strides are spelled out in the kernel (not passed in) so Triton knows which axis is contiguous
+# and vectorises it.
 #
 # ``C`` is a compile-time constant for the same reason. jax-triton (0.3.1) passes an int argument
 # with no divisibility hint, so with ``C`` a runtime int Triton cannot prove that a row of columns
@@ -116,10 +117,44 @@ _MAX_GRID_YZ = 65535  # CUDA's limit on the 2nd and 3rd grid dimensions
 # ``ld.global.b16`` per thread in bfloat16 (16 ``ld.global.b32`` in float32). Knowing ``C``
 # (2048 in the benchmark) it emits 2 ``ld.global.v4.b32`` (4 in float32), 16 bytes each. Element
 # by element, bfloat16 issued as many memory instructions as float32 for half the bytes, and on
-# the H100 it reached 73% of the copy bandwidth where float32 reached 94% (bench/results/cumsum.json,
-# chunk-local, [4, 4096, 16, 128]). ``C`` is heads x features, fixed for a model: one compile per
-# model, as the autotuner's key already had it.
+# the H100 it reached 73% of the copy bandwidth where float32 reached 94%
+# (bench/results/cumsum.json, chunk-local, [4, 4096, 16, 128]). ``C`` is heads x features, fixed
+# for a model: one compile per model, as the autotuner's key already had it.
 # ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _offsets(tokens, cols, T, C: tl.constexpr, TOKENS_CONTIGUOUS: tl.constexpr):
+    """``[len(tokens), len(cols)]`` offsets of elements (token, column) in a row (layouts above)."""
+    if TOKENS_CONTIGUOUS:
+        offsets = tokens[:, None] + cols[None, :] * T
+    else:
+        offsets = tokens[:, None] * C + cols[None, :]
+    return offsets
+
+
+@triton.jit
+def _span_total(
+    x_ptr,  # a row, laid out as the kernels' rows (T tokens, or entries, x C columns)
+    first_token, count,  # the tokens first_token, first_token + 1, ... (- 1, ... REVERSE): count
+    keep, cols, T, C: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    NUM_STAGES: tl.constexpr,  # None: a plain range, no pipelining asked for
+    REVERSE: tl.constexpr, TOKENS_CONTIGUOUS: tl.constexpr,
+):
+    """``[BLOCK_C]`` float32: the total of ``count`` tokens of columns ``cols``, read in order.
+
+    Elementwise adds into a ``[BLOCK_T, BLOCK_C]`` float32 tile, one ``tl.sum`` at the end: no
+    carry from block to block, so the loads stream instead of waiting on each block's sum.
+    """
+    acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    for first in tl.range(0, count, BLOCK_T, num_stages=NUM_STAGES):
+        ahead = first + tl.arange(0, BLOCK_T)  # tokens counted from first_token
+        tokens = first_token - ahead if REVERSE else first_token + ahead
+        mask = (ahead[:, None] < count) & (cols[None, :] < C)
+        offsets = _offsets(tokens, cols, T, C, TOKENS_CONTIGUOUS)
+        acc += tl.load(x_ptr + offsets, mask=mask & keep, other=0.0).to(tl.float32)
+    return tl.sum(acc, axis=0)
 
 
 @triton.jit
@@ -137,8 +172,8 @@ def _scan_span(
     Tokens are taken ``BLOCK_T`` at a time. Each block is scanned on its own with ``tl.cumsum``
     and the running total of the blocks before it is added: the classic two-level scan, with the
     upper level a single float32 register per column. A reverse sum is a forward sum read
-    backwards: row ``i`` of the block is token ``end - 1 - i`` (then ``end - 1 - BLOCK_T - i``, ...),
-    so the same forward ``tl.cumsum`` gives suffix sums (measured faster on an H100 than
+    backwards: row ``i`` of the block is token ``end - 1 - i`` (then ``end - 1 - BLOCK_T - i``,
+    ...), so the same forward ``tl.cumsum`` gives suffix sums (measured faster on an H100 than
     ``tl.cumsum(..., reverse=True)``).
 
     With ``NUM_STAGES > 1`` Triton pipelines the walk: the loads of the next ``NUM_STAGES - 1``
@@ -151,17 +186,15 @@ def _scan_span(
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_mask = cols < C
     # jax-triton hands a Python float over as float64: multiplying the float32 sums by it would
-    # convert every element to float64 and back. (The default scale, 1.0, arrives as the constant 1.)
+    # convert every element to float64 and back. (The default scale, 1.0, arrives as the
+    # constant 1.)
     scale = tl.cast(scale, tl.float32)
     for first in tl.range(0, end - start, BLOCK_T, num_stages=NUM_STAGES):
         if REVERSE:
             tokens = end - 1 - first - tl.arange(0, BLOCK_T)
         else:
             tokens = start + first + tl.arange(0, BLOCK_T)
-        if TOKENS_CONTIGUOUS:
-            offsets = tokens[:, None] + cols[None, :] * T
-        else:
-            offsets = tokens[:, None] * C + cols[None, :]
+        offsets = _offsets(tokens, cols, T, C, TOKENS_CONTIGUOUS)
         mask = (tokens[:, None] >= start) & (tokens[:, None] < end) & col_mask[None, :]
         # Masked tokens load as 0: they add nothing to the sums of the tokens that are kept.
         x = tl.load(x_ptr + offsets, mask=mask & keep, other=0.0).to(tl.float32)
@@ -282,14 +315,11 @@ def chunk_local_cumsum_kernel(
         count = tl.minimum(tl.maximum(tl.where(start < end, count, 0), 0), total_chunks - first)
         cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         ENTRIES: tl.constexpr = 2048 // BLOCK_C if BLOCK_C < 2048 else 1  # 2048 floats a step
-        entries = tl.arange(0, ENTRIES)
         totals = sums_ptr + tl.program_id(2).to(tl.int64) * total_chunks * C
-        acc = tl.zeros([ENTRIES, BLOCK_C], dtype=tl.float32)
-        for e in range(0, count, ENTRIES):
-            mask = (e + entries[:, None] < count) & (cols[None, :] < C)
-            offsets = (first + e + entries[:, None]) * C + cols[None, :]
-            acc += tl.load(totals + offsets, mask=mask, other=0.0)
-        carry = tl.sum(acc, axis=0)
+        # The totals are a row of total_chunks entries x C columns: summed as count tokens.
+        carry = _span_total(totals, first, count, True, cols, total_chunks, C, BLOCK_T=ENTRIES,
+                            BLOCK_C=BLOCK_C, NUM_STAGES=None, REVERSE=False,
+                            TOKENS_CONTIGUOUS=False)
     _scan_span(x_ptr + row, out_ptr + row, start, end, keep, carry, T, C, scale, BLOCK_T=BLOCK_T,
                BLOCK_C=BLOCK_C, NUM_STAGES=NUM_STAGES, REVERSE=REVERSE,
                TOKENS_CONTIGUOUS=TOKENS_CONTIGUOUS)
@@ -308,23 +338,18 @@ def chunk_sums_kernel(
     start, end, keep, _, _, _ = _chunk_bounds(i_chunk, cu_seqlens_ptr, chunk_indices_ptr, T,
                                               num_seqs, CHUNK, IS_VARLEN)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-    for first in range(start, end, BLOCK_T):
-        tokens = first + tl.arange(0, BLOCK_T)
-        if TOKENS_CONTIGUOUS:
-            offsets = tokens[:, None] + cols[None, :] * T
-        else:
-            offsets = tokens[:, None] * C + cols[None, :]
-        mask = (tokens[:, None] < end) & (cols[None, :] < C)
-        acc += tl.load(x_ptr + row + offsets, mask=mask & keep, other=0.0).to(tl.float32)
+    total = _span_total(x_ptr + row, start, end - start, keep, cols, T, C, BLOCK_T=BLOCK_T,
+                        BLOCK_C=BLOCK_C, NUM_STAGES=None, REVERSE=False,
+                        TOKENS_CONTIGUOUS=TOKENS_CONTIGUOUS)
     totals = sums_ptr + (tl.program_id(2).to(tl.int64) * total_chunks + i_chunk) * C
-    tl.store(totals + cols, tl.sum(acc, axis=0), mask=cols < C)
+    tl.store(totals + cols, total, mask=cols < C)
 
 
 @functools.cache
 def _local_autotuned(chunk_size: int):
     """The local kernel autotuned over :func:`_local_configs` (one tuner per chunk size)."""
-    return triton.autotune(configs=_local_configs(chunk_size), key=["T", "C"])(chunk_local_cumsum_kernel)
+    tune = triton.autotune(configs=_local_configs(chunk_size), key=["T", "C"])
+    return tune(chunk_local_cumsum_kernel)
 
 
 # The global kernel runs the same loop over a whole sequence. Its parallelism is rows x column
@@ -359,15 +384,16 @@ def _local_autotuned(chunk_size: int):
 # reads them (in the same order, from the same offsets), so mostly from L2. More programs, a
 # shorter chain of scans, but the last program still streams the whole sequence.
 #
-# Measured (H100, bench/_probe_cumsum.py run at the branch, not recorded; forward, device time,
-# median of 10, % of the 3032 GB/s copy). Vector gates, bfloat16: the best tile, 128 x 32 with
-# 4 warps and 3 stages, 0.0681 ms, 65.0% (as before: bound by instruction issue, above); SPLIT 2
-# on it 0.0813 ms, 54.4%, slower. SPLIT helps few, long walks: the scalar gates forced into one
-# pass, the best SPLIT 8 tile (512 x 8, 4 warps, 3 stages) took 0.0132 ms, the best unsplit one
-# (1024 x 4) 0.0212. A scan on the tensor cores (each 16-bit block's prefix sums as tl.dot of a
-# lower triangle of ones and the block) reached 79.9% (128 x 32), but its sums were wrong at the
-# benchmark's sizes (relative error 2.0e-2 to 1.4e-1 against float64, tolerance 1.6e-2; right on
-# the tests' small shapes), cause not found: removed.
+# SPLIT is for few, long walks. On the vector gates it did not help: a probe on the H100 (not
+# recorded) found SPLIT 2 on the 128 x 32 tile slower than SPLIT 1, and with SPLIT in the list
+# the recorded run (bench/results/cumsum.json, f7b2211: forward, device time, median of 10)
+# autotuned to 0.0673 ms, 65.8% of the 3032 GB/s copy, in bfloat16 and 0.1009 ms, 87.7%, in
+# float32, as before SPLIT (fdebc21: 65.6% and 87.9%): bound by instruction issue, above. The
+# same probe found SPLIT 8 faster than SPLIT 1 on the scalar gates forced into one pass; no
+# figure of that is recorded. A scan on the tensor cores (each 16-bit block's prefix sums as
+# tl.dot of a lower triangle of ones and the block) was faster in that probe too, but its sums
+# were wrong at the benchmark's sizes (relative errors above the bfloat16 tolerance, 1.6e-2,
+# against float64; right on the tests' small shapes), cause not found: removed.
 _GLOBAL_TILES = [  # (BLOCK_T, BLOCK_C, num_warps, NUM_STAGES, SPLIT)
     (64, 32, 4, 3, 1),  # first: CumsumConfig()'s default, what the interpreter runs
     (128, 32, 4, 3, 1),
@@ -378,7 +404,9 @@ _GLOBAL_TILES = [  # (BLOCK_T, BLOCK_C, num_warps, NUM_STAGES, SPLIT)
     (256, 32, 8, 2, 1),
     (512, 8, 4, 3, 1),
     (1024, 4, 4, 3, 1),
-    (128, 32, 4, 3, 2),  # vector gates: two programs a walk
+    # An autotune candidate, not a known win: SPLIT 2 on the vector gates' best tile was slower
+    # than SPLIT 1 there (above), and no input is known where it is faster.
+    (128, 32, 4, 3, 2),
     (256, 16, 4, 3, 8),  # few, long walks (the two-pass path takes small inputs)
     (512, 8, 4, 3, 8),
 ]
@@ -418,17 +446,10 @@ def chunk_global_cumsum_kernel(
         mine = tl.minimum(span, end - start - walked)
         walked = tl.where(mine > 0, walked, 0)  # an empty span needs no sum
         cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-        for first in tl.range(0, walked, BLOCK_T, num_stages=NUM_STAGES):
-            ahead = first + tl.arange(0, BLOCK_T)  # tokens from the sequence's first (last)
-            tokens = end - 1 - ahead if REVERSE else start + ahead
-            if TOKENS_CONTIGUOUS:
-                offsets = tokens[:, None] + cols[None, :] * T
-            else:
-                offsets = tokens[:, None] * C + cols[None, :]
-            mask = (ahead[:, None] < walked) & (cols[None, :] < C)
-            acc += tl.load(x_ptr + row + offsets, mask=mask & keep, other=0.0).to(tl.float32)
-        carry = tl.sum(acc, axis=0)
+        # The walked tokens, from the sequence's first (last, REVERSE) in the order of the sum.
+        carry = _span_total(x_ptr + row, end - 1 if REVERSE else start, walked, keep, cols, T, C,
+                            BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, NUM_STAGES=NUM_STAGES,
+                            REVERSE=REVERSE, TOKENS_CONTIGUOUS=TOKENS_CONTIGUOUS)
         if REVERSE:
             end = end - walked
             start = end - mine
@@ -440,25 +461,39 @@ def chunk_global_cumsum_kernel(
                TOKENS_CONTIGUOUS=TOKENS_CONTIGUOUS)
 
 
-_global_autotuned = triton.autotune(configs=_GLOBAL_CONFIGS, key=["T", "C"])(chunk_global_cumsum_kernel)
+_global_autotuned = triton.autotune(configs=_GLOBAL_CONFIGS, key=["T", "C"])(
+    chunk_global_cumsum_kernel)
 
 
 # Small inputs take the global cumsum in two passes instead (with config=None): the scalar gates
 # of the benchmark, [8, 8192, 16], are 128 sums of 8192 tokens, and one walk per sum (8 programs
-# of 16 columns) took 0.0219 ms in float32 where XLA took 0.0128 (fdebc21): 4 MB, no program with
-# enough work in flight. Pass one, chunk_sums_kernel, writes the float32 total of every chunk of
-# _TWO_PASS_CHUNK tokens; pass two is the local kernel over the same chunks (CARRY), each chunk
-# starting from the totals of the chunks before it in its sequence: one program per chunk, as
-# the local cumsum (0.0041 ms at that shape). Pass two reads the input again, from L2 as long as
-# it fits there (50 MB on the H100), hence the bound on the input's size; and an input with
-# enough walks to fill the GPU (many rows, columns or sequences) keeps the one pass, which reads
-# it once. Measured (H100, bench/_probe_cumsum.py run at the branch, not recorded; forward,
-# device time, median of 10) at [8, 8192, 16]: two passes 0.0074 ms in bfloat16, 0.0079 in float32,
-# against XLA's 0.0129 and 0.0135 and the one pass before (fdebc21's tiles) 0.0211 and 0.0219.
-# Both bounds are guesses from the reasoning above: only the benchmark's shapes were timed.
+# of 16 columns) took 0.0219 ms in float32 where XLA took 0.0128 (bench/results/cumsum.json as
+# recorded at fdebc21, commit aecf2de: H100, forward, device time, median of 10): 4 MB, no
+# program with enough work in flight. Pass one, chunk_sums_kernel, writes the float32 total of
+# every chunk of _TWO_PASS_CHUNK tokens; pass two is the local kernel over the same chunks
+# (CARRY), each chunk starting from the totals of the chunks before it in its sequence: one
+# program per chunk, as the local cumsum (0.0041 ms at that shape, same record). Pass two reads
+# the input again, from L2 as long as it fits there (50 MB on the H100), hence the bound on the
+# input's size; and an input with enough walks to fill the GPU (many rows, columns or
+# sequences) keeps the one pass, which reads it once. Recorded at [8, 8192, 16]
+# (bench/results/cumsum.json, f7b2211: H100, forward, device time, median of 10): two passes
+# 0.0075 ms in bfloat16 and 0.0073 in float32, against XLA's 0.0126 and 0.0128 (the one pass at
+# fdebc21: 0.0213 and 0.0219).
+#
+# Pass two's carry adds up, for every chunk, the totals of all the chunks before it (after it,
+# REVERSE) in its sequence: n(n - 1)/2 totals a column for a sequence of n chunks, quadratic in
+# n where the one pass is linear. Those float32 reads come to (n - 1)/64 of the input's bytes
+# in bfloat16 ((n - 1)/128 in float32), from L2 (the totals are 1/32 of a bfloat16 input), hence
+# a bound on a sequence's chunks. The benchmark's sequences are 128 chunks, where the carry reads
+# twice the input's bytes in bfloat16 and the two passes still took about a third of the one
+# pass's time (above); longer sequences, never timed in two passes, walk in one. The bound is on
+# cdiv(T, _TWO_PASS_CHUNK): T bounds every sequence's length (with cu_seqlens the lengths are
+# traced), so a packing of more tokens takes one pass however short its sequences.
+# All three bounds are guesses from the reasoning above: only the benchmark's shapes were timed.
 _TWO_PASS_CHUNK = 64
 _TWO_PASS_MAX_BYTES = 16 << 20
 _TWO_PASS_MAX_WALKS = 512  # about 4 walks of 32 columns an SM on the H100's 132
+_TWO_PASS_MAX_CHUNKS = 128  # chunks of _TWO_PASS_CHUNK tokens a sequence: 8192 tokens
 
 
 # ----------------------------------------------------------------------------------------------
@@ -490,7 +525,8 @@ class CumsumConfig:
     split: int = 1
 
     def __post_init__(self):
-        freeze_fields(self, validated_fields(self, powers_of_two=("block_t", "block_c", "num_warps")))
+        fields = validated_fields(self, powers_of_two=("block_t", "block_c", "num_warps"))
+        freeze_fields(self, fields)
         for name in ("block_t", "block_c", "num_warps", "num_stages", "split"):
             if getattr(self, name) is None:
                 raise ValueError(f"CumsumConfig.{name} must be a positive int, got None")
@@ -535,7 +571,8 @@ def _launch_rows(x, cu_seqlens, *, chunk_size, reverse, scale, head_first, out_d
                          f"the size of any vmapped axes) exceed the grid limit of {_MAX_GRID_YZ}; "
                          f"use impl='xla'")
     if T * C >= 2**31:
-        raise ValueError(f"one row of {T} tokens x {C} columns exceeds 2**31 elements; use impl='xla'")
+        raise ValueError(f"one row of {T} tokens x {C} columns exceeds 2**31 elements; "
+                         f"use impl='xla'")
     varlen = cu_seqlens is not None
     if varlen:
         # One extra "sequence" covers the tokens past cu_seqlens[-1] (usually none): the kernels
@@ -553,7 +590,8 @@ def _launch_rows(x, cu_seqlens, *, chunk_size, reverse, scale, head_first, out_d
                                             num_stages=config.num_stages)
     walks = N * cdiv(C, 32) * (num_seqs + 1 if varlen else 1)  # one-pass programs, 32 columns
     two_pass = (chunk_size is None and config is None and view.nbytes <= _TWO_PASS_MAX_BYTES
-                and walks <= _TWO_PASS_MAX_WALKS)
+                and walks <= _TWO_PASS_MAX_WALKS
+                and cdiv(T, _TWO_PASS_CHUNK) <= _TWO_PASS_MAX_CHUNKS)  # T: the longest sequence
     if chunk_size is None and not two_pass:
         num_segments = num_seqs + 1 if varlen else 1
         kernel = _global_autotuned if config is None else chunk_global_cumsum_kernel
@@ -569,10 +607,10 @@ def _launch_rows(x, cu_seqlens, *, chunk_size, reverse, scale, head_first, out_d
     if two_pass:
         chunk_size = _TWO_PASS_CHUNK
     if varlen:
-        # The number of chunks depends on the lengths, which are traced under jax.jit, but the grid
-        # must be static. Launch an upper bound instead: each of the num_seqs + 1 sequences adds at
-        # most one partial chunk to the cdiv(T, chunk_size) full ones. prepare_chunk_indices gives the
-        # spare programs (-1, -1), and they do nothing.
+        # The number of chunks depends on the lengths, which are traced under jax.jit, but the
+        # grid must be static. Launch an upper bound instead: each of the num_seqs + 1 sequences
+        # adds at most one partial chunk to the cdiv(T, chunk_size) full ones.
+        # prepare_chunk_indices gives the spare programs (-1, -1), and they do nothing.
         total = cdiv(T, chunk_size) + num_seqs + 1
         chunk_indices = prepare_chunk_indices(cu, chunk_size, total_chunks=total).astype(jnp.int32)
     else:
@@ -607,12 +645,14 @@ def _launch_rows(x, cu_seqlens, *, chunk_size, reverse, scale, head_first, out_d
 # dx[u] = scale * sum_{t in seg(u), t >= u} dout[t]. So the backward pass is the same kernel with
 # `reverse` flipped, writing the input's dtype. cu_seqlens (integers) gets no cotangent.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7, 8))
-def _cumsum_triton(x, cu_seqlens, chunk_size, reverse, scale, head_first, out_dtype, in_dtype, config):
+def _cumsum_triton(x, cu_seqlens, chunk_size, reverse, scale, head_first, out_dtype, in_dtype,
+                   config):
     return _launch(x, cu_seqlens, chunk_size, reverse, scale, head_first, out_dtype, config)
 
 
 def _fwd(x, cu_seqlens, chunk_size, reverse, scale, head_first, out_dtype, in_dtype, config):
-    return _launch(x, cu_seqlens, chunk_size, reverse, scale, head_first, out_dtype, config), cu_seqlens
+    out = _launch(x, cu_seqlens, chunk_size, reverse, scale, head_first, out_dtype, config)
+    return out, cu_seqlens
 
 
 def _bwd(chunk_size, reverse, scale, head_first, out_dtype, in_dtype, config, cu_seqlens, dout):
@@ -640,7 +680,8 @@ def _xla_cumsum(x, cu_seqlens, chunk_size, reverse, scale, head_first, out_dtype
         pad = [(0, 0)] * acc.ndim
         pad[axis] = (0, num_chunks * chunk_size - T)
         padded = jnp.pad(acc, pad)
-        chunked = padded.reshape(padded.shape[:axis] + (num_chunks, chunk_size) + padded.shape[axis + 1:])
+        chunked = padded.reshape(padded.shape[:axis] + (num_chunks, chunk_size)
+                                 + padded.shape[axis + 1:])
         sums = lax.cumsum(chunked, axis=axis + 1, reverse=reverse).reshape(padded.shape)
         sums = lax.slice_in_dim(sums, 0, T, axis=axis)
     else:
@@ -658,7 +699,8 @@ def _segment_flags(cu_seqlens, T, chunk_size, reverse):
     starts = (offset == 0) | ~inside  # each padding token is a segment of its own (zeroed later)
     if not reverse:
         return starts, inside
-    return jnp.concatenate([starts[1:], jnp.ones((1,), bool)]), inside  # a segment ends before a start
+    ends = jnp.concatenate([starts[1:], jnp.ones((1,), bool)])  # a segment ends before a start
+    return ends, inside
 
 
 def _segmented_cumsum(x, flags, axis, reverse):
@@ -697,13 +739,15 @@ def _reference(x, chunk_size, reverse, softmax_scale, cu_seqlens, head_first, ou
     axis = 2 if head_first else 1
     T = x.shape[axis]
     t = jnp.arange(T)
-    position = t if cu_seqlens is None else prepare_position_ids(jnp.asarray(cu_seqlens), total_tokens=T)
+    position = (t if cu_seqlens is None
+                else prepare_position_ids(jnp.asarray(cu_seqlens), total_tokens=T))
     offset = position if chunk_size is None else position % chunk_size
     segment = jnp.where(position >= 0, t - offset, -1)  # a segment is named by its first token
     same_segment = (segment[:, None] == segment[None, :]) & (segment[:, None] >= 0)
     counted = t[None, :] >= t[:, None] if reverse else t[None, :] <= t[:, None]
     acc_dtype = jnp.promote_types(x.dtype, jnp.float32)
-    weights = (same_segment & counted).astype(acc_dtype)  # weights[t, u]: does x[u] count in out[t]?
+    # weights[t, u]: does x[u] count in out[t]?
+    weights = (same_segment & counted).astype(acc_dtype)
     xt = jnp.moveaxis(x.astype(acc_dtype), axis, 1)
     out = jnp.einsum("tu,bu...->bt...", weights, xt, precision=lax.Precision.HIGHEST)
     out = jnp.moveaxis(out, 1, axis)
@@ -787,18 +831,21 @@ def _cumsum(x, name, chunk_size, reverse, softmax_scale, cu_seqlens, head_first,
     if impl == "triton":
         check_triton_dtype(x, name)
     return _checked_cumsum(x, cu_seqlens, chunk_size=chunk_size, reverse=bool(reverse), scale=scale,
-                           head_first=bool(head_first), out_dtype=out_dtype, impl=impl, config=config)
+                           head_first=bool(head_first), out_dtype=out_dtype, impl=impl,
+                           config=config)
 
 
-# Everything after the checks is one jitted function of (x, cu_seqlens): eager calls compile once per
-# shape and flags, instead of dispatching each small op on its own.
-@functools.partial(jax.jit, static_argnames=("chunk_size", "reverse", "scale", "head_first", "out_dtype", "impl",
-                                             "config"))
-def _checked_cumsum(x, cu_seqlens, *, chunk_size, reverse, scale, head_first, out_dtype, impl, config):
+# Everything after the checks is one jitted function of (x, cu_seqlens): eager calls compile once
+# per shape and flags, instead of dispatching each small op on its own.
+@functools.partial(jax.jit, static_argnames=("chunk_size", "reverse", "scale", "head_first",
+                                             "out_dtype", "impl", "config"))
+def _checked_cumsum(x, cu_seqlens, *, chunk_size, reverse, scale, head_first, out_dtype, impl,
+                    config):
     if cu_seqlens is not None:
         # Traced values were not checked: both implementations see the nearest valid packing, so
         # that no kernel can be sent outside x (and the two agree even on garbage).
         cu_seqlens = sanitize_cu_seqlens(cu_seqlens, x.shape[2 if head_first else 1])
     if impl == "xla":
         return _xla_cumsum(x, cu_seqlens, chunk_size, reverse, scale, head_first, out_dtype)
-    return _cumsum_triton(x, cu_seqlens, chunk_size, reverse, scale, head_first, out_dtype, x.dtype, config)
+    return _cumsum_triton(x, cu_seqlens, chunk_size, reverse, scale, head_first, out_dtype, x.dtype,
+                          config)

@@ -458,6 +458,7 @@ def test_one_and_two_pass_global_cumsum(rng, monkeypatch, layout, reverse, two_p
 
     monkeypatch.setattr(cumsum, "_TWO_PASS_MAX_BYTES", 1 << 40 if two_pass else 0)
     monkeypatch.setattr(cumsum, "_TWO_PASS_MAX_WALKS", 1 << 40)
+    monkeypatch.setattr(cumsum, "_TWO_PASS_MAX_CHUNKS", 1 << 40)
     head_first = layout.endswith("head_first")
     cu = cu_from_lengths([4161, 0, 1, 64, 26])
     x = make_input(rng, shape_of(layout, 1, int(cu[-1]) + 3, heads=2, features=1))
@@ -481,6 +482,7 @@ def test_infinite_gates(rng, monkeypatch, config, reverse):
     for two_pass in ([False, True] if config is None else [False]):
         monkeypatch.setattr(cumsum, "_TWO_PASS_MAX_BYTES", 1 << 40 if two_pass else 0)
         monkeypatch.setattr(cumsum, "_TWO_PASS_MAX_WALKS", 1 << 40)
+        monkeypatch.setattr(cumsum, "_TWO_PASS_MAX_CHUNKS", 1 << 40)
         x = np.asarray(make_input(rng, (2, 70, 4), "bfloat16"), np.float32)
         x[0, 20, 0] = -np.inf  # mid-block: tokens 16-19 must stay finite
         x[0, 21, 1], x[0, 50, 1] = -np.inf, np.inf
@@ -496,10 +498,9 @@ def test_infinite_gates(rng, monkeypatch, config, reverse):
         np.testing.assert_allclose(out[finite], ref[finite], rtol=1e-5, atol=1e-4)
 
 
-def test_two_pass_only_for_small_inputs_with_few_walks(monkeypatch):
-    """The autotuned global cumsum takes two passes for an input of at most _TWO_PASS_MAX_BYTES
-    with at most _TWO_PASS_MAX_WALKS one-pass walks (rows x 32-column tiles x sequences), else
-    one; a pinned config always one."""
+def launched_kernels(monkeypatch):
+    """A function of (x, cu_seqlens, config) giving the names of the kernels the autotuned
+    (or pinned) global cumsum launches on x, and the cumsum: the path is chosen while tracing."""
     import ejk_lite.cumsum as cumsum
 
     launched = []
@@ -507,16 +508,58 @@ def test_two_pass_only_for_small_inputs_with_few_walks(monkeypatch):
     monkeypatch.setattr(cumsum, "triton_call", lambda *a, kernel, **k: (
         launched.append(getattr(kernel, "fn", kernel).__name__), real(*a, kernel=kernel, **k))[1])
 
-    def kernels(shape, config=None):
+    def kernels(x, cu_seqlens=None, config=None, reverse=False):
         jax.clear_caches()  # trace again: the choice is made while tracing
         launched.clear()
-        chunk_global_cumsum(jnp.ones(shape), impl="triton", config=config)
-        return launched[:]
+        out = chunk_global_cumsum(x, reverse=reverse, cu_seqlens=cu_seqlens, impl="triton",
+                                  config=config)
+        return launched[:], out
+
+    return kernels
+
+
+TWO_PASSES = ["chunk_sums_kernel", "chunk_local_cumsum_kernel"]
+ONE_PASS = ["chunk_global_cumsum_kernel"]
+
+
+def test_two_pass_only_for_small_inputs_with_few_walks(monkeypatch):
+    """The autotuned global cumsum takes two passes for an input of at most _TWO_PASS_MAX_BYTES
+    with at most _TWO_PASS_MAX_WALKS one-pass walks (rows x 32-column tiles x sequences) and at
+    most _TWO_PASS_MAX_CHUNKS chunks of _TWO_PASS_CHUNK tokens (T bounds every sequence), else
+    one; a pinned config always one."""
+    import ejk_lite.cumsum as cumsum
+
+    launched = launched_kernels(monkeypatch)
+
+    def kernels(shape, config=None, cu_seqlens=None):
+        cu = None if cu_seqlens is None else jnp.asarray(cu_seqlens)
+        return launched(jnp.ones(shape), cu, config)[0]
 
     monkeypatch.setattr(cumsum, "_TWO_PASS_MAX_WALKS", 4)
-    assert kernels((4, 8, 32)) == ["chunk_sums_kernel", "chunk_local_cumsum_kernel"]  # 4 walks
-    assert kernels((5, 8, 32)) == ["chunk_global_cumsum_kernel"]
-    assert kernels((2, 8, 65)) == ["chunk_global_cumsum_kernel"]  # 2 x 3 column tiles
-    assert kernels((4, 8, 32), CumsumConfig()) == ["chunk_global_cumsum_kernel"]
+    assert kernels((4, 8, 32)) == TWO_PASSES  # 4 walks
+    assert kernels((5, 8, 32)) == ONE_PASS
+    assert kernels((2, 8, 65)) == ONE_PASS  # 2 x 3 column tiles
+    assert kernels((4, 8, 32), CumsumConfig()) == ONE_PASS
+    monkeypatch.setattr(cumsum, "_TWO_PASS_MAX_CHUNKS", 2)  # of 64 tokens
+    assert kernels((1, 128, 1)) == TWO_PASSES
+    assert kernels((1, 129, 1)) == ONE_PASS
+    assert kernels((1, 129, 1), cu_seqlens=[0, 64, 129]) == ONE_PASS  # T bounds the lengths
+    assert kernels((1, 128, 1), cu_seqlens=[0, 64, 100]) == TWO_PASSES
     monkeypatch.setattr(cumsum, "_TWO_PASS_MAX_BYTES", 4 * 8 * 32 * 4 - 1)
-    assert kernels((4, 8, 32)) == ["chunk_global_cumsum_kernel"]
+    assert kernels((4, 8, 32)) == ONE_PASS
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_long_sequence_walks_in_one_pass(rng, monkeypatch, reverse):
+    """Two passes re-add every earlier chunk total for each chunk (quadratic in a sequence's
+    chunks): a sequence of one token more than _TWO_PASS_MAX_CHUNKS chunks takes the one pass,
+    one of exactly that many the two; both give the float64 sums."""
+    import ejk_lite.cumsum as cumsum
+
+    launched = launched_kernels(monkeypatch)
+    limit = cumsum._TWO_PASS_MAX_CHUNKS * cumsum._TWO_PASS_CHUNK
+    for tokens, path in [(limit + 1, ONE_PASS), (limit, TWO_PASSES)]:
+        x = make_input(rng, (1, tokens, 2))
+        kernels, out = launched(x, reverse=reverse)
+        assert kernels == path, tokens
+        assert rel_err(out, numpy_cumsum(x, reverse=reverse)) < TOLERANCE["float32"], tokens
