@@ -146,7 +146,10 @@ class _Static:
 
 
 # What the kernels are compiled for, in three named groups that each kernel takes as one
-# constexpr (``LOGITS.SCALE``, ``SHAPE.BQ`` in the kernels): built by ``_common``.
+# constexpr (``LOGITS.SCALE``, ``SHAPE.BQ`` in the kernels): built by ``_common``. A field read
+# so is a plain Python value: fine in arithmetic, ``tl.arange`` and a static ``if``, but a
+# shape list (``tl.zeros([BQ, BD])``) takes only ``tl.constexpr`` names (Triton 3.6 rejects
+# the int), so the kernels name those sizes, and sizes used in many addresses, once.
 class _Logits(NamedTuple):
     SCALE: float          # softmax scale
     SOFT_CAP: float       # cap * tanh(logit / cap); 1.0 when USE_SOFTCAP is False (unused)
@@ -306,19 +309,14 @@ def _logits(q, k, offs_m, offs_n, bias, T, S, LOGITS: tl.constexpr):
     and the tanh (for the soft cap's derivative). Base 2 because ``exp2`` is one
     instruction; without a soft cap and a bias the whole scaling is one multiply by a
     constant. ``bias``: a head's base, and its strides along T and S."""
-    SCALE: tl.constexpr = LOGITS.SCALE
-    SOFT_CAP: tl.constexpr = LOGITS.SOFT_CAP
-    USE_SOFTCAP: tl.constexpr = LOGITS.USE_SOFTCAP
-    HAS_BIAS: tl.constexpr = LOGITS.HAS_BIAS
-    DOT_PRECISION: tl.constexpr = LOGITS.DOT_PRECISION
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    s = tl.dot(q, tl.trans(k), input_precision=LOGITS.DOT_PRECISION)
     t = s
-    if USE_SOFTCAP:
-        t = _tanh(s * (SCALE / SOFT_CAP))
-        s = t * (SOFT_CAP * LOG2E)
+    if LOGITS.USE_SOFTCAP:
+        t = _tanh(s * (LOGITS.SCALE / LOGITS.SOFT_CAP))
+        s = t * (LOGITS.SOFT_CAP * LOG2E)
     else:
-        s = s * (SCALE * LOG2E)
-    if HAS_BIAS:
+        s = s * (LOGITS.SCALE * LOG2E)
+    if LOGITS.HAS_BIAS:
         bias_base, stride_bt, stride_bs = bias
         bias_ptrs = (bias_base + offs_m.to(tl.int64)[:, None] * stride_bt
                      + offs_n.to(tl.int64)[None, :] * stride_bs)
@@ -383,30 +381,24 @@ def _visible(offs_m, offs_n, q_seg, q_pos, rule, T, S, MASKED: tl.constexpr,
     ``EVEN_T``, ``EVEN_S``: no row, no column past the end (see ``_in_bounds``)."""
     ids_base, stride_kind, mask_base, window_left, window_right, window2_left, \
         window2_right = rule
-    HAS_SEGMENTS: tl.constexpr = RULE.HAS_SEGMENTS
-    IS_CAUSAL: tl.constexpr = RULE.IS_CAUSAL
-    HAS_WINDOW: tl.constexpr = RULE.HAS_WINDOW
-    HAS_TOKEN_MASK: tl.constexpr = RULE.HAS_TOKEN_MASK
-    CLAUSE2: tl.constexpr = RULE.CLAUSE2
-    HAS_SEGMENTS2: tl.constexpr = RULE.HAS_SEGMENTS2
-    IS_CAUSAL2: tl.constexpr = RULE.IS_CAUSAL2
-    HAS_WINDOW2: tl.constexpr = RULE.HAS_WINDOW2
     in_kv = _in_bounds(offs_n, S, EVEN_S)
     in_range = _in_bounds(offs_m, T, EVEN_T)[:, None] & in_kv[None, :]
     visible = in_range
     if MASKED:
         visible = _clause(in_range, q_seg, q_pos, ids_base, stride_kind, offs_n, in_kv,
-                          window_left, window_right, HAS_SEGMENTS, IS_CAUSAL, HAS_WINDOW)
-        if HAS_TOKEN_MASK:
+                          window_left, window_right, RULE.HAS_SEGMENTS, RULE.IS_CAUSAL,
+                          RULE.HAS_WINDOW)
+        if RULE.HAS_TOKEN_MASK:
             ptrs = mask_base + offs_m.to(tl.int64)[:, None] * S + offs_n[None, :]
             visible &= tl.load(ptrs, mask=visible, other=0) != 0
-        if CLAUSE2 != 0:  # the second clause's ids: four arrays further
+        if RULE.CLAUSE2 != 0:  # the second clause's ids: four arrays further
             ids2_base = ids_base + 4 * stride_kind
-            q_seg2, q_pos2 = _q_ids(ids2_base, stride_kind, offs_m, T, HAS_SEGMENTS2,
-                                    IS_CAUSAL2 or HAS_WINDOW2, EVEN_T)
+            q_seg2, q_pos2 = _q_ids(ids2_base, stride_kind, offs_m, T, RULE.HAS_SEGMENTS2,
+                                    RULE.IS_CAUSAL2 or RULE.HAS_WINDOW2, EVEN_T)
             second = _clause(in_range, q_seg2, q_pos2, ids2_base, stride_kind, offs_n, in_kv,
-                             window2_left, window2_right, HAS_SEGMENTS2, IS_CAUSAL2, HAS_WINDOW2)
-            if CLAUSE2 == 1:
+                             window2_left, window2_right, RULE.HAS_SEGMENTS2, RULE.IS_CAUSAL2,
+                             RULE.HAS_WINDOW2)
+            if RULE.CLAUSE2 == 1:
                 visible &= second
             else:
                 visible |= second
@@ -420,25 +412,19 @@ def _fwd_tiles(acc, m_i, l_i, q, offs_m, q_seg, q_pos, list_ptr, count, n_blocks
     """The online-softmax inner loop over ``count`` key blocks read from ``list_ptr``;
     ``SAFE``: keep a NaN or an inf of v inside the rows that see it (see
     ``_rows_not_finite``)."""
-    DOT_PRECISION: tl.constexpr = LOGITS.DOT_PRECISION
-    D: tl.constexpr = SHAPE.D
-    DV: tl.constexpr = SHAPE.DV
-    BD: tl.constexpr = SHAPE.BD
-    BDV: tl.constexpr = SHAPE.BDV
-    BK: tl.constexpr = SHAPE.BK
-    EVEN_S: tl.constexpr = SHAPE.EVEN_S
-    EVEN_T: tl.constexpr = SHAPE.EVEN_T
-    offs_d = tl.arange(0, BD)
-    offs_dv = tl.arange(0, BDV)
+    offs_d = tl.arange(0, SHAPE.BD)
+    offs_dv = tl.arange(0, SHAPE.BDV)
     for i in range(count):
         kb = _clamp(tl.load(list_ptr + i), n_blocks - 1)
-        offs_n = kb * BK + tl.arange(0, BK)
-        k = _load_tile(k_base, offs_n, offs_d, S, D, EVEN_S & (D == BD))
-        v = _load_tile(v_base, offs_n, offs_dv, S, DV, EVEN_S & (DV == BDV))
+        offs_n = kb * SHAPE.BK + tl.arange(0, SHAPE.BK)
+        k = _load_tile(k_base, offs_n, offs_d, S, SHAPE.D,
+                       SHAPE.EVEN_S & (SHAPE.D == SHAPE.BD))
+        v = _load_tile(v_base, offs_n, offs_dv, S, SHAPE.DV,
+                       SHAPE.EVEN_S & (SHAPE.DV == SHAPE.BDV))
         s, _ = _logits(q, k, offs_m, offs_n, bias, T, S, LOGITS)
-        visible = _visible(offs_m, offs_n, q_seg, q_pos, rule, T, S, MASKED, RULE, EVEN_T,
-                           EVEN_S)
-        if MASKED or not EVEN_S:  # full tiles of an even length: every pair is visible
+        visible = _visible(offs_m, offs_n, q_seg, q_pos, rule, T, S, MASKED, RULE,
+                           SHAPE.EVEN_T, SHAPE.EVEN_S)
+        if MASKED or not SHAPE.EVEN_S:  # full tiles of an even length: every pair is visible
             s = tl.where(visible, s, float("-inf"))
         if SAFE:
             # A NaN (or inf) in the v row of a key that a row cannot see must not reach
@@ -456,7 +442,7 @@ def _fwd_tiles(acc, m_i, l_i, q, offs_m, q_seg, q_pos, list_ptr, count, n_blocks
         p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v,
-                                            input_precision=DOT_PRECISION)
+                                            input_precision=LOGITS.DOT_PRECISION)
         if SAFE:  # NaN stays NaN through every later rescaling and sum
             acc = tl.where(poisoned[:, None], float("nan"), acc)
         m_i = m_new
@@ -471,30 +457,27 @@ def _fwd_program(i_m, i_bh, tensors, rule, bias, lists, sizes, LOGITS: tl.conste
     its accumulator returned. ``tensors``: q, k, v, sinks, o, lse."""
     q_ptr, k_ptr, v_ptr, sink_ptr, o_ptr, lse_ptr = tensors
     T, S, n_q_blocks, n_kv_blocks = sizes
-    H: tl.constexpr = SHAPE.H
-    G: tl.constexpr = SHAPE.G
-    D: tl.constexpr = SHAPE.D
+    D: tl.constexpr = SHAPE.D  # (tl.zeros's shapes, most addresses: see above _Logits)
     DV: tl.constexpr = SHAPE.DV
     BD: tl.constexpr = SHAPE.BD
     BDV: tl.constexpr = SHAPE.BDV
     BQ: tl.constexpr = SHAPE.BQ
-    EVEN_T: tl.constexpr = SHAPE.EVEN_T
-    i_b, i_h = i_bh // H, i_bh % H
+    i_b, i_h = i_bh // SHAPE.H, i_bh % SHAPE.H
     i_bh64 = i_bh.to(tl.int64)
-    i_kvh64 = (i_b * (H // G) + i_h // G).to(tl.int64)
+    i_kvh64 = (i_b * (SHAPE.H // SHAPE.G) + i_h // SHAPE.G).to(tl.int64)
     offs_m = i_m * BQ + tl.arange(0, BQ)
     offs_d = tl.arange(0, BD)
     offs_dv = tl.arange(0, BDV)
-    in_q = _in_bounds(offs_m, T, EVEN_T)
+    in_q = _in_bounds(offs_m, T, SHAPE.EVEN_T)
 
     q_base = q_ptr + i_bh64 * T * D
     k_base = k_ptr + i_kvh64 * S * D
     v_base = v_ptr + i_kvh64 * S * DV
-    q = _load_tile(q_base, offs_m, offs_d, T, D, EVEN_T & (D == BD))
+    q = _load_tile(q_base, offs_m, offs_d, T, D, SHAPE.EVEN_T & (D == BD))
     tile_rule, tile_bias = _head(rule, bias, i_b, i_h)
     ids_base, stride_kind = tile_rule[0], tile_rule[1]
     q_seg, q_pos = _q_ids(ids_base, stride_kind, offs_m, T, RULE.HAS_SEGMENTS,
-                          RULE.IS_CAUSAL or RULE.HAS_WINDOW, EVEN_T)
+                          RULE.IS_CAUSAL or RULE.HAS_WINDOW, SHAPE.EVEN_T)
 
     # the sink is the first "logit" of every row: m = sink, l = exp2(sink - m) = 1
     if HAS_SINKS:
@@ -601,17 +584,15 @@ def _bwd_tile(q, k, v, do, lse, delta, offs_m, offs_n, q_seg, q_pos, rule, bias,
               EVEN_T: tl.constexpr, EVEN_S: tl.constexpr, SAFE: tl.constexpr):
     """One tile of the backward: ``p``, ``ds`` = dL/d(final logit), and the same before
     the cap. ``SAFE``: see ``_rows_not_finite``."""
-    USE_SOFTCAP: tl.constexpr = LOGITS.USE_SOFTCAP
-    DOT_PRECISION: tl.constexpr = LOGITS.DOT_PRECISION
     s, t = _logits(q, k, offs_m, offs_n, bias, T, S, LOGITS)
     visible = _visible(offs_m, offs_n, q_seg, q_pos, rule, T, S, MASKED, RULE, EVEN_T,
                        EVEN_S)
     p = tl.exp2(s - lse[:, None])
     if MASKED or not EVEN_S:  # full tiles of an even length: every pair is visible
         p = tl.where(visible, p, 0.0)
-    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+    dp = tl.dot(do, tl.trans(v), input_precision=LOGITS.DOT_PRECISION)
     ds = p * (dp - delta[:, None])  # dL/d(logit after the soft cap): also dL/dbias
-    if USE_SOFTCAP:
+    if LOGITS.USE_SOFTCAP:
         d_raw = ds * (1.0 - t * t)  # through cap * tanh(s / cap): a factor in [0, 1]
     else:
         d_raw = ds
@@ -620,7 +601,7 @@ def _bwd_tile(q, k, v, do, lse, delta, offs_m, offs_n, q_seg, q_pos, rule, bias,
         # of a row's lse or delta must not reach the keys and rows that cannot see it.
         # (Without SAFE it would show in dK or dQ, and the program runs again with it.)
         ds = tl.where(visible, ds, 0.0)
-        if USE_SOFTCAP:
+        if LOGITS.USE_SOFTCAP:
             d_raw = tl.where(visible, d_raw, 0.0)
         else:
             d_raw = ds
@@ -631,18 +612,15 @@ def _bwd_tile(q, k, v, do, lse, delta, offs_m, offs_n, q_seg, q_pos, rule, bias,
 def _bwd_q_side(q_ptr, do_ptr, lse_ptr, delta_ptr, ids_base, stride_kind, i_bh64, offs_m, T,
                 SHAPE: tl.constexpr, HAS_SEGMENTS: tl.constexpr, USE_POSITIONS: tl.constexpr):
     """Load a query block's q, do, lse, delta and token ids (rows past T: zeros and lse = +inf)."""
-    D: tl.constexpr = SHAPE.D
-    DV: tl.constexpr = SHAPE.DV
-    BD: tl.constexpr = SHAPE.BD
-    BDV: tl.constexpr = SHAPE.BDV
-    EVEN_T: tl.constexpr = SHAPE.EVEN_T
-    in_q = _in_bounds(offs_m, T, EVEN_T)
-    q = _load_tile(q_ptr + i_bh64 * T * D, offs_m, tl.arange(0, BD), T, D, EVEN_T & (D == BD))
-    do = _load_tile(do_ptr + i_bh64 * T * DV, offs_m, tl.arange(0, BDV), T, DV,
-                    EVEN_T & (DV == BDV))
+    in_q = _in_bounds(offs_m, T, SHAPE.EVEN_T)
+    q = _load_tile(q_ptr + i_bh64 * T * SHAPE.D, offs_m, tl.arange(0, SHAPE.BD), T, SHAPE.D,
+                   SHAPE.EVEN_T & (SHAPE.D == SHAPE.BD))
+    do = _load_tile(do_ptr + i_bh64 * T * SHAPE.DV, offs_m, tl.arange(0, SHAPE.BDV), T,
+                    SHAPE.DV, SHAPE.EVEN_T & (SHAPE.DV == SHAPE.BDV))
     lse = tl.load(lse_ptr + i_bh64 * T + offs_m, mask=in_q, other=float("inf"))
     delta = tl.load(delta_ptr + i_bh64 * T + offs_m, mask=in_q, other=0.0)
-    q_seg, q_pos = _q_ids(ids_base, stride_kind, offs_m, T, HAS_SEGMENTS, USE_POSITIONS, EVEN_T)
+    q_seg, q_pos = _q_ids(ids_base, stride_kind, offs_m, T, HAS_SEGMENTS, USE_POSITIONS,
+                          SHAPE.EVEN_T)
     return q, do, lse, delta, q_seg, q_pos
 
 
@@ -654,22 +632,18 @@ def _dkv_tiles(dk, dv, k, v, offs_n, list_ptr, count, n_blocks, i_bh64, q_side, 
     ``q_side``: q, do, lse, delta."""
     q_ptr, do_ptr, lse_ptr, delta_ptr = q_side
     ids_base, stride_kind = rule[0], rule[1]  # (the rest goes on to _visible)
-    DOT_PRECISION: tl.constexpr = LOGITS.DOT_PRECISION
-    BQ: tl.constexpr = SHAPE.BQ
-    EVEN_S: tl.constexpr = SHAPE.EVEN_S
-    EVEN_T: tl.constexpr = SHAPE.EVEN_T
     for i in range(count):
         qb = _clamp(tl.load(list_ptr + i), n_blocks - 1)
-        offs_m = qb * BQ + tl.arange(0, BQ)
+        offs_m = qb * SHAPE.BQ + tl.arange(0, SHAPE.BQ)
         q, do, lse, delta, q_seg, q_pos = _bwd_q_side(
             q_ptr, do_ptr, lse_ptr, delta_ptr, ids_base, stride_kind, i_bh64, offs_m, T, SHAPE,
             RULE.HAS_SEGMENTS, RULE.IS_CAUSAL or RULE.HAS_WINDOW)
         p, _, ds = _bwd_tile(q, k, v, do, lse, delta, offs_m, offs_n, q_seg, q_pos, rule, bias,
-                             T, S, LOGITS, RULE, MASKED, EVEN_T, EVEN_S, SAFE)
-        dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PRECISION)
+                             T, S, LOGITS, RULE, MASKED, SHAPE.EVEN_T, SHAPE.EVEN_S, SAFE)
+        dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=LOGITS.DOT_PRECISION)
         if SAFE:  # a NaN q row that cannot see this key block must not reach dK as 0 * NaN
             q = tl.where(_finite(q), q, tl.zeros_like(q))  # (rows that see it reach dK by ds)
-        dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=DOT_PRECISION)
+        dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=LOGITS.DOT_PRECISION)
     return dk, dv
 
 
@@ -680,16 +654,14 @@ def _dkv_heads(k, v, offs_n, i_b, i_kvh, i_n, q_side, rule, bias, lists, sizes,
     """dK, dV of one key block over the query heads it serves: partial tiles, then full
     ones."""
     T, S, n_q_blocks, n_kv_blocks = sizes
-    H: tl.constexpr = SHAPE.H
-    G: tl.constexpr = SHAPE.G
-    BD: tl.constexpr = SHAPE.BD
+    BD: tl.constexpr = SHAPE.BD  # (tl.zeros's shapes: see above _Logits)
     BDV: tl.constexpr = SHAPE.BDV
     BK: tl.constexpr = SHAPE.BK
     dk = tl.zeros([BK, BD], tl.float32)
     dv = tl.zeros([BK, BDV], tl.float32)
-    for g in range(G):  # the query heads this key/value head serves
-        i_h = i_kvh * G + g
-        i_bh64 = (i_b * H + i_h).to(tl.int64)
+    for g in range(SHAPE.G):  # the query heads this key/value head serves
+        i_h = i_kvh * SHAPE.G + g
+        i_bh64 = (i_b * SHAPE.H + i_h).to(tl.int64)
         tile_rule, tile_bias = _head(rule, bias, i_b, i_h)
         # the transposed lists: per key block, its query blocks
         partial, n_partial = _block_list(lists, i_b, i_h, i_n, n_kv_blocks, n_q_blocks,
@@ -712,20 +684,14 @@ def _dkv_program(i_n, i_bkv, tensors, rule, bias, lists, sizes, LOGITS: tl.const
     transposed ones (per key block, the query blocks)."""
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr = tensors
     T, S, n_q_blocks, n_kv_blocks = sizes
-    SCALE: tl.constexpr = LOGITS.SCALE
-    H: tl.constexpr = SHAPE.H
-    G: tl.constexpr = SHAPE.G
-    D: tl.constexpr = SHAPE.D
+    D: tl.constexpr = SHAPE.D  # (four times each in the addresses below)
     DV: tl.constexpr = SHAPE.DV
-    BD: tl.constexpr = SHAPE.BD
-    BDV: tl.constexpr = SHAPE.BDV
-    BK: tl.constexpr = SHAPE.BK
-    H_KV: tl.constexpr = H // G
+    H_KV: tl.constexpr = SHAPE.H // SHAPE.G
     i_b, i_kvh = i_bkv // H_KV, i_bkv % H_KV
     i_bkv64 = i_bkv.to(tl.int64)
-    offs_n = i_n * BK + tl.arange(0, BK)
-    offs_d = tl.arange(0, BD)
-    offs_dv = tl.arange(0, BDV)
+    offs_n = i_n * SHAPE.BK + tl.arange(0, SHAPE.BK)
+    offs_d = tl.arange(0, SHAPE.BD)
+    offs_dv = tl.arange(0, SHAPE.BDV)
     in_kv = offs_n < S
     k = tl.load(k_ptr + i_bkv64 * S * D + offs_n[:, None] * D + offs_d[None, :],
                 mask=in_kv[:, None] & (offs_d < D)[None, :], other=0.0)
@@ -736,7 +702,7 @@ def _dkv_program(i_n, i_bkv, tensors, rule, bias, lists, sizes, LOGITS: tl.const
                         LOGITS, RULE, SHAPE, SAFE)
     kv_rows = in_kv[:, None]
     tl.store(dk_ptr + i_bkv64 * S * D + offs_n[:, None] * D + offs_d[None, :],
-             (dk * SCALE).to(dk_ptr.dtype.element_ty),
+             (dk * LOGITS.SCALE).to(dk_ptr.dtype.element_ty),
              mask=kv_rows & (offs_d < D)[None, :])
     tl.store(dv_ptr + i_bkv64 * S * DV + offs_n[:, None] * DV + offs_dv[None, :],
              dv.to(dv_ptr.dtype.element_ty), mask=kv_rows & (offs_dv < DV)[None, :])
@@ -779,30 +745,25 @@ def _dq_tiles(dq, q, do, lse, delta, offs_m, q_seg, q_pos, list_ptr, count, n_bl
               v_base, dbias_base, rule, bias, T, S, LOGITS: tl.constexpr, RULE: tl.constexpr,
               SHAPE: tl.constexpr, MASKED: tl.constexpr, SAFE: tl.constexpr):
     """Accumulate dQ of one query block over ``count`` key blocks (and write dbias tiles)."""
-    HAS_BIAS: tl.constexpr = LOGITS.HAS_BIAS
-    DOT_PRECISION: tl.constexpr = LOGITS.DOT_PRECISION
-    D: tl.constexpr = SHAPE.D
-    DV: tl.constexpr = SHAPE.DV
-    BD: tl.constexpr = SHAPE.BD
-    BDV: tl.constexpr = SHAPE.BDV
-    BK: tl.constexpr = SHAPE.BK
-    EVEN_S: tl.constexpr = SHAPE.EVEN_S
-    EVEN_T: tl.constexpr = SHAPE.EVEN_T
-    offs_d = tl.arange(0, BD)
-    offs_dv = tl.arange(0, BDV)
+    offs_d = tl.arange(0, SHAPE.BD)
+    offs_dv = tl.arange(0, SHAPE.BDV)
     for i in range(count):
         kb = _clamp(tl.load(list_ptr + i), n_blocks - 1)
-        offs_n = kb * BK + tl.arange(0, BK)
-        k = _load_tile(k_base, offs_n, offs_d, S, D, EVEN_S & (D == BD))
-        v = _load_tile(v_base, offs_n, offs_dv, S, DV, EVEN_S & (DV == BDV))
+        offs_n = kb * SHAPE.BK + tl.arange(0, SHAPE.BK)
+        k = _load_tile(k_base, offs_n, offs_d, S, SHAPE.D,
+                       SHAPE.EVEN_S & (SHAPE.D == SHAPE.BD))
+        v = _load_tile(v_base, offs_n, offs_dv, S, SHAPE.DV,
+                       SHAPE.EVEN_S & (SHAPE.DV == SHAPE.BDV))
         _, ds, d_raw = _bwd_tile(q, k, v, do, lse, delta, offs_m, offs_n, q_seg, q_pos, rule,
-                                 bias, T, S, LOGITS, RULE, MASKED, EVEN_T, EVEN_S, SAFE)
-        if HAS_BIAS:  # dbias is ds itself; [B, H, T, S] fp32, unvisited tiles are zeroed outside
+                                 bias, T, S, LOGITS, RULE, MASKED, SHAPE.EVEN_T, SHAPE.EVEN_S,
+                                 SAFE)
+        # dbias is ds itself; [B, H, T, S] fp32, unvisited tiles are zeroed outside
+        if LOGITS.HAS_BIAS:
             ptrs = dbias_base + offs_m.to(tl.int64)[:, None] * S + offs_n[None, :]
             tl.store(ptrs, ds, mask=(offs_m < T)[:, None] & (offs_n < S)[None, :])
         if SAFE:  # a NaN k row that a query cannot see must not reach dQ as 0 * NaN
             k = tl.where(_finite(k), k, tl.zeros_like(k))  # (keys that are seen reach dQ by ds)
-        dq += tl.dot(d_raw.to(k.dtype), k, input_precision=DOT_PRECISION)
+        dq += tl.dot(d_raw.to(k.dtype), k, input_precision=LOGITS.DOT_PRECISION)
     return dq
 
 
@@ -813,17 +774,12 @@ def _dq_program(i_m, i_bh, tensors, rule, bias, lists, sizes, LOGITS: tl.constex
     stored; ``dq`` returned. ``tensors``: q, k, v, do, lse, delta, dq, dbias."""
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dbias_ptr = tensors
     T, S, n_q_blocks, n_kv_blocks = sizes
-    SCALE: tl.constexpr = LOGITS.SCALE
-    H: tl.constexpr = SHAPE.H
-    G: tl.constexpr = SHAPE.G
-    D: tl.constexpr = SHAPE.D
-    DV: tl.constexpr = SHAPE.DV
+    D: tl.constexpr = SHAPE.D  # (four times in the addresses below; BD, BQ: tl.zeros's shape)
     BD: tl.constexpr = SHAPE.BD
-    BDV: tl.constexpr = SHAPE.BDV
     BQ: tl.constexpr = SHAPE.BQ
-    i_b, i_h = i_bh // H, i_bh % H
+    i_b, i_h = i_bh // SHAPE.H, i_bh % SHAPE.H
     i_bh64 = i_bh.to(tl.int64)
-    i_kvh64 = (i_b * (H // G) + i_h // G).to(tl.int64)
+    i_kvh64 = (i_b * (SHAPE.H // SHAPE.G) + i_h // SHAPE.G).to(tl.int64)
     offs_m = i_m * BQ + tl.arange(0, BQ)
     offs_d = tl.arange(0, BD)
     tile_rule, tile_bias = _head(rule, bias, i_b, i_h)
@@ -831,7 +787,7 @@ def _dq_program(i_m, i_bh, tensors, rule, bias, lists, sizes, LOGITS: tl.constex
         q_ptr, do_ptr, lse_ptr, delta_ptr, tile_rule[0], tile_rule[1], i_bh64, offs_m, T,
         SHAPE, RULE.HAS_SEGMENTS, RULE.IS_CAUSAL or RULE.HAS_WINDOW)
     k_base = k_ptr + i_kvh64 * S * D
-    v_base = v_ptr + i_kvh64 * S * DV
+    v_base = v_ptr + i_kvh64 * S * SHAPE.DV
     dbias_base = dbias_ptr + i_bh64 * T * S
     dq = tl.zeros([BQ, BD], tl.float32)
     partial, n_partial = _block_list(lists, i_b, i_h, i_m, n_q_blocks, n_kv_blocks, False)
@@ -843,7 +799,7 @@ def _dq_program(i_m, i_bh, tensors, rule, bias, lists, sizes, LOGITS: tl.constex
                    k_base, v_base, dbias_base, tile_rule, tile_bias, T, S, LOGITS, RULE, SHAPE,
                    False, False)
     tl.store(dq_ptr + i_bh64 * T * D + offs_m[:, None] * D + offs_d[None, :],
-             (dq * SCALE).to(dq_ptr.dtype.element_ty),
+             (dq * LOGITS.SCALE).to(dq_ptr.dtype.element_ty),
              mask=(offs_m < T)[:, None] & (offs_d < D)[None, :])
     return dq
 
