@@ -3,12 +3,14 @@
 float32 is what people try first, and with plain FMA dots (``"ieee"``) its first call was slow to
 compile (an H100 user measured 22 s for the forward and 92 s for its gradient) and its warm time
 far behind bfloat16. ``"tf32x3"`` (three TF32 tensor-core products) keeps float32 accuracy.
-Each run is a fresh process (empty Triton cache, no JAX compilation cache), and times:
+Each run is a fresh process (``common.fresh_child``: empty Triton cache, no JAX compilation
+cache), and times:
 
 * ``cold``: the first forward, then the first gradient (whose forward kernel is compiled
-  already), and their sum: what a new user waits for. Each is split into its phases:
-  ``lower`` (tracing, and Triton's compile of each new kernel to PTX), ``xla`` (XLA's compile)
-  and ``first_run`` (ptxas turning each kernel's PTX into machine code, then the run);
+  already), and their sum: what a new user waits for. Each is split into its phases
+  (``common.first_call``): ``lower`` (tracing, and Triton's compile of each new kernel to PTX),
+  ``xla`` (XLA's compile) and ``first_run`` (ptxas turning each kernel's PTX into machine code,
+  then the run);
 * ``warm``: min / median / max device time of the forward and of the gradient (10 samples);
 * the relative error of the output and of dq, dk, dv against the float64 reference; the run
   fails (exit 1) past float32's tolerance, 1e-5 (``ejk_lite.testing``, the tests' own);
@@ -25,21 +27,17 @@ The runs: each ``float32_dot`` with the shipped defaults, and two same-run compa
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
-import tempfile
-import time
 
-import common
-import jax
-import jax.numpy as jnp
-import numpy as np
+FRESH_CHILDREN = True  # for common, imported next: this parent leaves the GPU to its children
+import common  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
-import ejk_lite
-from ejk_lite import BlockSizes, blocksparse_attention
-from ejk_lite.attention import reference
+import ejk_lite  # noqa: E402
+from ejk_lite import BlockSizes, blocksparse_attention  # noqa: E402
+from ejk_lite.attention import reference  # noqa: E402
 
 #: (name, float32_dot, variant): see the module docstring.
 RUNS = (("tf32x3", "tf32x3", "shipped"), ("tf32x3, torch_import", "tf32x3", "torch_import"),
@@ -76,17 +74,9 @@ def measure(setting: str, variant: str, shape: dict) -> dict:
     gradient = jax.jit(jax.grad(lambda q, k, v: jnp.sum(w * attention(q, k, v)), (0, 1, 2)))
     cold, phases = {}, {}
     for name, fn in (("forward", forward), ("gradient", gradient)):
-        start = time.perf_counter()
-        lowered = fn.lower(q, k, v)
-        lowered_at = time.perf_counter()
-        compiled = lowered.compile()
-        compiled_at = time.perf_counter()
-        jax.block_until_ready(compiled(q, k, v))
-        end = time.perf_counter()
-        phases[name] = {"lower": round(lowered_at - start, 2),
-                        "xla": round(compiled_at - lowered_at, 2),
-                        "first_run": round(end - compiled_at, 2)}
-        cold[f"{name}_s"] = round(end - start, 2)
+        _, _, seconds = common.first_call(fn, q, k, v)
+        phases[name] = {phase: round(s, 2) for phase, s in seconds.items()}
+        cold[f"{name}_s"] = round(sum(seconds.values()), 2)
     cold["forward_plus_gradient_s"] = round(cold["forward_s"] + cold["gradient_s"], 2)
     warm = {"forward": common.time_stats_ms(lambda: forward(q, k, v)),
             "gradient": common.time_stats_ms(lambda: gradient(q, k, v))}
@@ -106,22 +96,17 @@ def measure(setting: str, variant: str, shape: dict) -> dict:
 
 
 def main() -> int:
-    if len(sys.argv) > 1 and sys.argv[1] == "--child":  # one setting, in a fresh process
-        print(json.dumps(measure(sys.argv[2], sys.argv[3], json.loads(sys.argv[4]))), flush=True)
-        return 0
+    if common.IS_CHILD:  # one setting, in a fresh process
+        return common.run_as_child(measure)
     args = common.parse_args(__doc__.splitlines()[0])
     shape = QUICK if args.quick else SHAPE
     runs, failed = [], []
     for name, setting, variant in RUNS:
-        env = dict(os.environ, TRITON_CACHE_DIR=tempfile.mkdtemp(prefix="triton_cold_"),
-                   JAX_ENABLE_COMPILATION_CACHE="false")
-        child = subprocess.run([sys.executable, __file__, "--child", setting, variant,
-                                json.dumps(shape)],
-                               env=env, capture_output=True, text=True)
-        if child.returncode != 0:
+        child = common.fresh_child(__file__, dict(setting=setting, variant=variant, shape=shape))
+        if child.error:
             print(child.stderr[-3000:], file=sys.stderr)
             return 1
-        run = {"name": name, **json.loads(child.stdout.strip().splitlines()[-1])}
+        run = {"name": name, **child.result}
         runs.append(run)
         errors = run["relative_error"]
         if errors["forward"] > TOLERANCE["forward"] or \

@@ -15,20 +15,39 @@ device times as well.
 Also here, so that every script says them the same way: what "right" means
 (:func:`relative_error` and :func:`tolerance`, from :mod:`ejk_lite.testing`, the tests' own),
 the forward and forward + backward of a JAX function (:func:`forward_and_backward`), one result
-row (:func:`row`), the results file (:func:`write_result`) and a run's log, failures and exit
-status (:class:`Run`). The peers that run in PyTorch, and the bridge to them, are in ``peers.py``.
+row (:func:`row`), the results file (:func:`write_result`), a run's log, failures and exit
+status (:class:`Run`), and a first call as a new user's process makes it: in a fresh child
+process (:func:`fresh_child`, :func:`run_as_child`), phase by phase (:func:`first_call`). The
+peers that run in PyTorch, and the bridge to them, are in ``peers.py``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
+import os
 import platform
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
+
+#: The argument that makes a script a fresh child (:func:`fresh_child`), run for its parent.
+CHILD = "--child"
+IS_CHILD = sys.argv[1:2] == [CHILD]
+#: What a fresh child starts from: this process's environment as it started, before ejk_lite's
+#: import (below) settled ``TRITON_INTERPRET`` and before a parent's own setting (next): what a
+#: user's process would start from.
+STARTING_ENV = dict(os.environ)
+if not IS_CHILD and getattr(sys.modules.get("__main__"), "FRESH_CHILDREN", False):
+    # A script that says ``FRESH_CHILDREN = True`` before importing this module is the parent of
+    # fresh children, which only starts them and writes the file: its JAX, started by ejk_lite's
+    # import, must not take 75 % of the GPU's memory from them. Before that import, or too late.
+    os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
 
 import jax
 import jax.numpy as jnp
@@ -82,9 +101,6 @@ def commit() -> str | None:
     """The commit the measured tree was taken from: ``$EJK_COMMIT``, else
     ``bench/results/.commit`` (``python bench/gpu_check.py prepare``), else
     ``git rev-parse HEAD``."""
-    import os
-    import subprocess
-
     if os.environ.get("EJK_COMMIT"):
         return os.environ["EJK_COMMIT"]
     root = Path(__file__).resolve().parent.parent
@@ -223,8 +239,6 @@ def device_samples_ms(run: Callable[[], Any], samples: int = 10, warmup: int = 3
 def _gpu_events(body: Callable[[], Any]) -> list[tuple[int, int, str]]:
     """``(start_ns, duration_ns, name)`` of every kernel and copy the GPU ran during ``body()``,
     in order of start, as one profiler trace recorded them (``body`` must synchronize)."""
-    import tempfile
-
     with tempfile.TemporaryDirectory() as folder:
         jax.profiler.start_trace(folder, profiler_options=_profile_options())
         body()
@@ -507,3 +521,80 @@ class Run:
         if self.failures:
             print(f"FAILED ({len(self.failures)}):", *self.failures, sep="\n  ", file=sys.stderr)
             sys.exit(1)
+
+
+# ----------------------------------------------------------------------------------------------
+# A first call as a new user's process makes it: in a fresh child, timed phase by phase.
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Child:
+    """What a fresh child (:func:`fresh_child`) gave back: its result (``{}`` when it printed
+    none), exit status (None: killed at its time limit), standard error, wall time from start to
+    end (imports included) and ``error``: None when it exited 0, else why not."""
+    result: dict[str, Any]
+    returncode: int | None
+    stderr: str
+    seconds: float
+    error: str | None
+
+
+def fresh_child(script: str, arguments: dict[str, Any], timeout_s: float | None = None,
+                env: dict[str, str] | None = None) -> Child:
+    """Run ``script`` as a fresh child: ``python script --child '<arguments as JSON>'``, which
+    hands ``arguments`` to its measurement through :func:`run_as_child`.
+
+    A first call in a process that compiled nothing yet: an empty Triton cache
+    (``TRITON_CACHE_DIR``, a new temporary folder, removed after) and no JAX compilation cache
+    (``JAX_ENABLE_COMPILATION_CACHE=false``); in a process that ran a kernel before, Triton finds
+    it compiled in its cache, and the jax-triton import and Triton's specialiser are paid for.
+    The environment is :data:`STARTING_ENV` with ``env`` over it. The result is the last line
+    of the child's standard output, a JSON object. ``error``, past ``timeout_s`` or on a non-zero
+    exit status: the result's ``failures`` joined, else the status and the end of stderr.
+    """
+    with tempfile.TemporaryDirectory(prefix="triton_fresh_") as cache:
+        child_env = {**STARTING_ENV, **(env or {}), "TRITON_CACHE_DIR": cache,
+                     "JAX_ENABLE_COMPILATION_CACHE": "false"}
+        command = [sys.executable, str(script), CHILD, json.dumps(arguments)]
+        started = time.perf_counter()
+        try:
+            child = subprocess.run(command, env=child_env, text=True, capture_output=True,
+                                   timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return Child({}, None, "", time.perf_counter() - started,
+                         f"timed out after {timeout_s} s")
+    seconds = time.perf_counter() - started
+    lines = child.stdout.strip().splitlines()
+    result = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else {}
+    error = None if child.returncode == 0 else (
+        "; ".join(result.get("failures", [])) or f"exit status {child.returncode}: "
+        + child.stderr.strip()[-1500:])
+    return Child(result, child.returncode, child.stderr, seconds, error)
+
+
+def run_as_child(measure: Callable[..., dict[str, Any]]) -> int:
+    """In a fresh child (:data:`IS_CHILD`): ``measure(**arguments)``, the arguments the parent
+    gave :func:`fresh_child`, its result printed as one line of JSON. The exit status is 1 when
+    the result lists ``failures`` (a wrong result), else 0."""
+    result = measure(**json.loads(sys.argv[2]))
+    print(json.dumps(result), flush=True)
+    return 1 if result.get("failures") else 0
+
+
+def first_call(fn: Any, *args: Any) -> tuple[Any, Any, dict[str, float]]:
+    """The first call of ``fn(*args)`` (a ``jax.jit`` function), split into its phases: the
+    result (until ``block_until_ready``), the compiled function, and seconds in ``lower``
+    (tracing; jax-triton's import and Triton's specialiser, once per process; Triton's compile
+    of each new kernel to PTX), ``xla`` (XLA's compile) and ``first_run`` (ptxas turning each
+    kernel's PTX into machine code, loading it, ``@triton.autotune``'s trials, the run). Their
+    sum is the first call's time."""
+    start = time.perf_counter()
+    lowered = fn.lower(*args)
+    lowered_at = time.perf_counter()
+    compiled = lowered.compile()
+    compiled_at = time.perf_counter()
+    result = jax.block_until_ready(compiled(*args))
+    end = time.perf_counter()
+    return result, compiled, {"lower": lowered_at - start, "xla": compiled_at - lowered_at,
+                              "first_run": end - compiled_at}

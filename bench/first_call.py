@@ -3,13 +3,14 @@
 What a new user waits for at the first call of an op in a fresh process. One case per public op
 (``CASES``) at its benchmark's shape, bf16, each direction in a process of its own: an empty
 Triton cache (``TRITON_CACHE_DIR``, a new temporary folder) and no JAX compilation cache
-(``JAX_ENABLE_COMPILATION_CACHE=false``), so that nothing compiled before is found. The child
-times, as ``bench/attention_fp32.py`` does:
+(``JAX_ENABLE_COMPILATION_CACHE=false``), so that nothing compiled before is found
+(``common.fresh_child``, as ``bench/attention_fp32.py``). The child times:
 
-* ``first_s``: the first call, until ``block_until_ready``, split into ``phases``: ``lower``
-  (tracing, importing jax-triton and starting Triton's specialiser, once per process as for a
-  user, and Triton's compile of each kernel to PTX), ``xla`` (XLA's compile) and ``first_run``
-  (ptxas, loading the modules, the autotuning of ``@triton.autotune`` kernels, the run);
+* ``first_s``: the first call, until ``block_until_ready``, split into ``phases``
+  (``common.first_call``): ``lower`` (tracing, importing jax-triton and starting Triton's
+  specialiser, once per process as for a user, and Triton's compile of each kernel to PTX),
+  ``xla`` (XLA's compile) and ``first_run`` (ptxas, loading the modules, the autotuning of
+  ``@triton.autotune`` kernels, the run);
 * ``second_s``: the second call (wall time, host included: not a kernel timing, see
   ``bench/<op>.py`` for those);
 * the relative error of the first call's result against the float32 reference (the op's
@@ -40,27 +41,19 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
-import json
-import os
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-CHILD_ENV = dict(os.environ)  # what the children start from, as a user's process would
-if sys.argv[1:2] != ["--child"]:
-    # The parent only writes the file; JAX in it must not take 75 % of the children's GPU.
-    os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
-
-import ejk_lite  # noqa: E402  (first: settles the Triton backend)
+FRESH_CHILDREN = True  # for common, imported next: this parent leaves the GPU to its children
+import common  # noqa: E402  (first: it settles the environment, then the Triton backend)
+import ejk_lite  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-import common  # noqa: E402
 import peers  # noqa: E402
 from ejk_lite import (  # noqa: E402
     block_mean_pooling,
@@ -195,22 +188,15 @@ def measure(case: Case, direction: str, quick: bool) -> dict[str, Any]:
         d_o = normal(99, jax.eval_shape(case.reference, widened(x), *rest).shape)
     fn, args = (fwd, (x, *rest)) if direction == "fwd" else (fwd_bwd, (x, d_o, *rest))
     jax.block_until_ready(args)
+    result, compiled, phases = common.first_call(fn, *args)
     start = time.perf_counter()
-    lowered = fn.lower(*args)
-    lowered_at = time.perf_counter()
-    compiled = lowered.compile()
-    compiled_at = time.perf_counter()
-    result = jax.block_until_ready(compiled(*args))
-    end = time.perf_counter()
     jax.block_until_ready(compiled(*args))
-    second_s = time.perf_counter() - end
-    phases = {"lower": lowered_at - start, "xla": compiled_at - lowered_at,
-              "first_run": end - compiled_at}
+    second_s = time.perf_counter() - start
     out, grads = result if direction == "fwd+bwd" else (result, None)
     with jax.default_matmul_precision("highest"):  # the reference's: not TF32 on a GPU
         errors, checked = check(case, direction, quick, x, rest, d_o, out, grads)
     failures = [line.strip() for line in common.past_tolerance(errors, DTYPE, "")]
-    return {"first_s": end - start, "second_s": second_s,
+    return {"first_s": sum(phases.values()), "second_s": second_s,
             "phases": {k: round(v, 3) for k, v in phases.items()}, "errors": errors,
             "checked": checked, "failures": failures}
 
@@ -260,32 +246,21 @@ def run_child(case: Case, direction: str, args: Any, run: common.Run) -> dict[st
     if run.out_of_time(what):
         return None
     shape = case.quick if args.quick else case.shape
-    found: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory(prefix="triton_first_call_") as cache:
-        env = dict(CHILD_ENV, TRITON_CACHE_DIR=cache, JAX_ENABLE_COMPILATION_CACHE="false")
-        if args.jobs > 1:  # several children on one GPU: each would take 75 % of it
-            env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
-        if args.quick:  # a CPU: XLA's LLVM optimisation of the mask builder takes 30-100 s
-            env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "")
-                                + " --xla_backend_optimization_level=0").strip()
-        command = [sys.executable, __file__, "--child", case.name, direction]
-        started = time.perf_counter()
-        try:
-            child = subprocess.run(command + ["--quick"] * args.quick, env=env, text=True,
-                                   capture_output=True, timeout=args.case_timeout_s)
-            lines = child.stdout.strip().splitlines()
-            found = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else {}
-            error = None if child.returncode == 0 else (
-                "; ".join(found.get("failures", [])) or f"exit status {child.returncode}: "
-                + child.stderr.strip()[-1500:])
-        except subprocess.TimeoutExpired:
-            error = f"timed out after {args.case_timeout_s} s"
+    env = {}
+    if args.jobs > 1:  # several children on one GPU: each would take 75 % of it
+        env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    if args.quick:  # a CPU: XLA's LLVM optimisation of the mask builder takes 30-100 s
+        env["XLA_FLAGS"] = (common.STARTING_ENV.get("XLA_FLAGS", "")
+                            + " --xla_backend_optimization_level=0").strip()
+    child = common.fresh_child(__file__, dict(case=case.name, direction=direction,
+                                              quick=args.quick), args.case_timeout_s, env)
+    found, error = child.result, child.error
     errors = found.get("errors", {})
     r = common.row(f"{case.name} {label(shape)}", "triton", direction, label(shape), "bfloat16",
                    rel_err=common.worst(errors, direction) if errors else None,
                    first_s=found.get("first_s"), second_s=found.get("second_s"),
                    phases=found.get("phases"), errors=errors, checked=found.get("checked"),
-                   process_s=time.perf_counter() - started, ok=error is None, error=error)
+                   process_s=child.seconds, ok=error is None, error=error)
     if error:
         run.failures.append(f"{what}: {error}")
     summary = "" if r["first_s"] is None else (
@@ -297,11 +272,9 @@ def run_child(case: Case, direction: str, args: Any, run: common.Run) -> dict[st
 
 
 def main() -> int:
-    if sys.argv[1:2] == ["--child"]:  # one case and direction, in a fresh process
-        case = next(c for c in CASES if c.name == sys.argv[2])
-        result = measure(case, sys.argv[3], "--quick" in sys.argv[4:])
-        print(json.dumps(result), flush=True)
-        return 1 if result["failures"] else 0
+    if common.IS_CHILD:  # one case and direction, in a fresh process; the parent names the case
+        return common.run_as_child(lambda case, direction, quick: measure(
+            next(c for c in CASES if c.name == case), direction, quick))
 
     def extra(parser):
         parser.add_argument("--ops", help="comma-separated ops or case names (default: all), "
