@@ -64,16 +64,15 @@ def _tiles(block_k: int, num_warps: int) -> dict:
 # stored / loaded with gk, 196 / 196 with g; BK32 (4 warps) and 8 warps (BK64) do not.
 INTER_BK32 = dict(inter_grads=KernelConfig(block_k=32))
 INTER_W8 = dict(inter_grads=KernelConfig(num_warps=8))
-# (name, gate, ChunkedConfig arguments): the default first. Offline sm_90 registers (spills) of
-# _gk_attention_kernel / _intra_grads_kernel: BK16 w4 232 / 215, BK16 w8 177 / 147, BK32 w4 255 /
-# 255 (44 bytes), BK32 w8 244 / 246, BK64 w8 254 / 255 (124 bytes).
-VARIANTS = [("gk default (BK32 w4)", "gk", {}),
+# (name, gate, ChunkedConfig arguments): the default first. The walks over the diagonal blocks
+# are unrolled by walk_unroll (4 by default).
+VARIANTS = [("gk default (BK32 w4 U4)", "gk", {}),
+            ("gk U1", "gk", dict(walk_unroll=1)),
+            ("gk U2", "gk", dict(walk_unroll=2)),
+            ("gk U8", "gk", dict(walk_unroll=8)),
             ("gk BK16 w4", "gk", _tiles(16, 4)),
-            ("gk BK16 w8", "gk", _tiles(16, 8)),
             ("gk BK32 w8", "gk", _tiles(32, 8)),
-            ("gk BK64 w8", "gk", _tiles(64, 8)),
-            ("gk inter BK32", "gk", INTER_BK32),
-            ("g default", "g", {})]
+            ("gk inter BK32", "gk", INTER_BK32)]
 
 
 def kernel_breakdown(fn, samples: int) -> list[tuple[str, float]]:

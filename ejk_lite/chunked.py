@@ -38,8 +38,9 @@ exponent here is the decay over a span of tokens *in walking order*, never posit
   at most 1, so ``A_IJ = (q_I exp(G_I - G_b)) (k_J exp(G_b - G_J))^T`` is a matrix product
   again. On the diagonal sub-chunks (``i`` and ``j`` in the same 16 tokens) there is no such
   ``b``: the ``16 x 16 x BK`` terms are computed elementwise, one key column ``j`` of every
-  sub-chunk at a time, with ``exp(G_i - G_j)`` for ``i >= j`` only (the other rows are masked
-  out, their exponent held at 0).
+  sub-chunk at a time, with ``exp(G_i - G_j)`` for ``i >= j`` only, held as a running product
+  of the factors ``exp(a_s) <= 1`` of the tokens in between (one more factor a step; the other
+  rows keep 1 and are masked out).
 
 The chunk-level decays the states and the output need (``q exp(G)``, ``k exp(Gamma - G)``,
 ``Gamma``) come out of the same sums, so with a per-key gate the forward's attention kernel writes
@@ -51,10 +52,13 @@ that lost two orders of magnitude (2e-6 against the 8e-8 of the token-by-token w
 -15 per token, C = 64). So the kernels take the per-token log-decays ``a`` themselves and form each
 exponent as a *direct* sum over exactly the tokens it spans: the cumulative sum of the chunk's
 rows from its start, a reverse one of the rows shifted by one for the span to its end, sums
-of whole sub-chunks for the spans between two sub-chunks, and, on the diagonal blocks, for every
-pair ``j <= i`` the sum over ``(j, i]`` grown one token at a time (one key column per step, every
-row adding the token after that column). With ``a <= 0`` such sums never cancel. Rows outside the sequence (a short chunk) read ``a = 0``: no decay, so the sums cover
-exactly the tokens inside it.
+of whole sub-chunks for the spans between two sub-chunks. With ``a <= 0`` such sums never
+cancel. On the diagonal blocks, for every pair ``j <= i``, the decay over ``(j, i]`` is grown
+one token at a time as a product (one key column per step, every row taking the factor
+``exp(a)`` of the token after that column): the factors the token-by-token walk multiplies, one
+``exp`` per column and step rather than one per entry, each product at most 1. Rows outside the
+sequence (a short chunk) read ``a = 0``: no decay, so the sums and products cover exactly the
+tokens inside it.
 
 **Backward.** Write ``D`` for the gradient reaching ``H_next`` (one walk over the chunks in the
 other direction carries it: ``D_prev = exp(Gamma) * D + (scale q exp(G))^T do``). With
@@ -148,12 +152,15 @@ _MAX_GRID_YZ = 65535  # CUDA's limit on the grid's 2nd and 3rd axes
 class KernelConfig:
     """Tiles and launch settings of one kernel. ``block_k`` / ``block_v`` are the K / V tile
     widths (powers of two >= 16, the smallest ``tl.dot`` operand side; cut down to the next power
-    of two of K / V at launch). A kernel that does not tile an axis ignores its width."""
+    of two of K / V at launch). ``unroll`` (a power of two up to 16): how many steps of the walks
+    over a sub-chunk's diagonal block run unrolled (per-key-gate intra-chunk kernels; at most the
+    sub-chunk). A kernel that does not tile an axis or walk ignores the setting."""
 
     block_k: int = 64
     block_v: int = 64
     num_warps: int = 4
     num_stages: int = 2
+    unroll: int = 1
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -169,6 +176,8 @@ class KernelConfig:
             raise ValueError(f"KernelConfig.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
         if self.num_stages < 1:
             raise ValueError(f"KernelConfig.num_stages must be >= 1, got {self.num_stages}")
+        if self.unroll not in (1, 2, 4, 8, 16):
+            raise ValueError(f"KernelConfig.unroll must be 1, 2, 4, 8 or 16, got {self.unroll}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,11 +192,14 @@ class ChunkedConfig:
     """
 
     states: KernelConfig = KernelConfig()
+    # The walks' unrolling, measured (H100, bf16, B4 T4096 H16 K=V=128, bench/_probe_chunked_gk.py,
+    # per-kernel medians, not recorded): _gk_attention_kernel 1.24 ms at 1, 1.34 at 2, 1.53 at
+    # 4, 1.26 at 8; _intra_grads_kernel 1.38, 1.25, 1.10, 1.21.
     attention: KernelConfig = KernelConfig(block_k=32)
     output: KernelConfig = KernelConfig()
     state_grads: KernelConfig = KernelConfig()
     dA: KernelConfig = KernelConfig()
-    intra_grads: KernelConfig = KernelConfig(block_k=32)
+    intra_grads: KernelConfig = KernelConfig(block_k=32, unroll=4)
     dv: KernelConfig = KernelConfig()
     inter_grads: KernelConfig = KernelConfig()
     sub_chunk: int = 16
@@ -507,7 +519,7 @@ def _gk_attention_kernel(
     # [B * T, H, K] in the query's dtype; Gamma [B * NT_SLOTS, H, K] fp32
     A, qd, kd, gamma,
     H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, SCALE: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, UNROLL: tl.constexpr,
     REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr, F32_DOT: tl.constexpr,
 ):
     # Per-key gate. One program per chunk, every sub-chunk of it, a loop over K tiles. The sums
@@ -542,23 +554,29 @@ def _gk_attention_kernel(
         # the row after j at each step (_decay_step). The same steps add up, as direct sums, the
         # log-decays the blocks between sub-chunks need: from the sub-chunk's start to i
         # (from_sub), and from j (exclusive) to the sub-chunk's end (after, kept in row j).
+        # (The whole tiles first: the walk's loads of single rows then find them in L1. Its steps
+        # are unrolled by UNROLL: their loads do not depend on each other.)
+        b_q = _load_rows(q + i_h * K, tok, valid, offs_k, mask_k, H * K).to(tl.float32)
+        b_k = _load_rows(k + i_kv * K, tok, valid, offs_k, mask_k, H_KV * K).to(tl.float32)
+        b_a = _load_gates(a, tok, valid, i_h, offs_k, mask_k, H, K)
         q3 = tl.load(q + (tok3 * H + i_h) * K + offs_k[None, None, :],
                      mask=valid3 & mask_k[None, None, :], other=0.0).to(tl.float32)
         decay = tl.full([NC, BC, BK], 1.0, tl.float32)
         from_sub = tl.zeros([NC, BC, BK], dtype=tl.float32)
         after = tl.zeros([NC, BC, BK], dtype=tl.float32)
         run = tl.zeros([NC, 1, BK], dtype=tl.float32)
-        for jj in range(0, BC):
-            j = BC - 1 - jj
-            a_next = _row_of_each(a + i_h * K, j + 1, i_c, start, end, row_base, offs_k, mask_k, H * K,
-                                  NC, BC, BT, REVERSE)
-            decay = _decay_step(decay, a_next, local3 > j)
-            from_sub += tl.where(local3 > j, a_next, 0.0)
-            run += a_next
-            after = tl.where(local3 == j, run, after)
-            k_j = _row_of_each(k + i_kv * K, j, i_c, start, end, row_base, offs_k, mask_k, H_KV * K,
-                               NC, BC, BT, REVERSE)
-            b_diag += tl.where(col3 == j, tl.sum(q3 * k_j * decay, axis=2)[:, :, None], 0.0)
+        for j0 in range(0, BC, UNROLL):
+            for u in tl.static_range(UNROLL):
+                j = BC - 1 - (j0 + u)
+                a_next = _row_of_each(a + i_h * K, j + 1, i_c, start, end, row_base, offs_k, mask_k, H * K,
+                                      NC, BC, BT, REVERSE)
+                decay = _decay_step(decay, a_next, local3 > j)
+                from_sub += tl.where(local3 > j, a_next, 0.0)
+                run += a_next
+                after = tl.where(local3 == j, run, after)
+                k_j = _row_of_each(k + i_kv * K, j, i_c, start, end, row_base, offs_k, mask_k, H_KV * K,
+                                   NC, BC, BT, REVERSE)
+                b_diag += tl.where(col3 == j, tl.sum(q3 * k_j * decay, axis=2)[:, :, None], 0.0)
         from_sub += _row_of_each(a + i_h * K, 0, i_c, start, end, row_base, offs_k, mask_k, H * K,
                                  NC, BC, BT, REVERSE)
         from_sub = tl.reshape(from_sub, (BT, BK))
@@ -570,9 +588,6 @@ def _gk_attention_kernel(
         # of every sub-chunk between J and I, added one sub-chunk at a time as I moves on: sums
         # of log-decays <= 0. The same walk adds up, for each row, the sub-chunks before its own
         # (before).
-        b_q = _load_rows(q + i_h * K, tok, valid, offs_k, mask_k, H * K).to(tl.float32)
-        b_k = _load_rows(k + i_kv * K, tok, valid, offs_k, mask_k, H_KV * K).to(tl.float32)
-        b_a = _load_gates(a, tok, valid, i_h, offs_k, mask_k, H, K)
         before = tl.zeros([BT, BK], dtype=tl.float32)
         if NC > 1:
             b_qg = b_q * tl.exp(from_sub)
@@ -740,7 +755,7 @@ def _intra_grads_kernel(
     q, k, a, dA, cu_seqlens, chunk_indices, T, num_seqs,
     dq, dk, dg,  # outputs [B * T, H, K] fp32: intra-chunk dq~ (w.r.t. scale q), dk, dG
     H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, SCALE: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, UNROLL: tl.constexpr,
     REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr, F32_DOT: tl.constexpr,
 ):
     # Per-key gates only. One program: one chunk (every sub-chunk), one K tile; the decays are
@@ -763,6 +778,12 @@ def _intra_grads_kernel(
     offs_k = i_k * BK + tl.arange(0, BK)
     mask_k = offs_k < K
 
+    # The whole tiles first: the walks' loads of single rows then find them in L1.
+    b_q = _load_rows(q + i_h * K, tok, valid, offs_k, mask_k, H * K).to(tl.float32) * SCALE
+    b_k = _load_rows(k + i_kv * K, tok, valid, offs_k, mask_k, H_KV * K).to(tl.float32)
+    b_a = _load_gates(a, tok, valid, i_h, offs_k, mask_k, H, K)
+    b_da = tl.load(dA + (tok * H + i_h)[:, None] * BT + r[None, :], mask=valid[:, None], other=0.0)
+
     # The diagonal blocks, strictly below the diagonal, as [NC, BC, BK] tiles (a sub-chunk
     # each). dq~_i += dA_ij k_j exp(sum of a over (j, i]) for j < i: one column j of every
     # sub-chunk at a time from the last, the decays grown as in _gk_attention_kernel.
@@ -773,34 +794,37 @@ def _intra_grads_kernel(
     from_sub = tl.zeros([NC, BC, BK], dtype=tl.float32)
     after = tl.zeros([NC, BC, BK], dtype=tl.float32)
     run = tl.zeros([NC, 1, BK], dtype=tl.float32)
-    for jj in range(0, BC):
-        j = BC - 1 - jj
-        a_next = _row_of_each(a + i_h * K, j + 1, i_c, start, end, row_base, offs_k, mask_k, H * K,
-                              NC, BC, BT, REVERSE)
-        decay = _decay_step(decay, a_next, local3 > j)
-        from_sub += tl.where(local3 > j, a_next, 0.0)
-        run += a_next
-        after = tl.where(local3 == j, run, after)
-        k_j = _row_of_each(k + i_kv * K, j, i_c, start, end, row_base, offs_k, mask_k, H_KV * K,
-                           NC, BC, BT, REVERSE)
-        da_j = tl.load(da3_rows + j, mask=valid3 & (local3 > j), other=0.0)  # dA_ij, j < i
-        dq3 += da_j * k_j * decay
+    for j0 in range(0, BC, UNROLL):
+        for u in tl.static_range(UNROLL):
+            j = BC - 1 - (j0 + u)
+            a_next = _row_of_each(a + i_h * K, j + 1, i_c, start, end, row_base, offs_k, mask_k, H * K,
+                                  NC, BC, BT, REVERSE)
+            decay = _decay_step(decay, a_next, local3 > j)
+            from_sub += tl.where(local3 > j, a_next, 0.0)
+            run += a_next
+            after = tl.where(local3 == j, run, after)
+            k_j = _row_of_each(k + i_kv * K, j, i_c, start, end, row_base, offs_k, mask_k, H_KV * K,
+                               NC, BC, BT, REVERSE)
+            da_j = tl.load(da3_rows + j, mask=valid3 & (local3 > j), other=0.0)  # dA_ij, j < i
+            dq3 += da_j * k_j * decay
     # dk_j += sum_{i > j} dA_ij scale q_i exp(sum of a over (j, i]): the same decays walked the
     # other way, one row i of every sub-chunk at a time from the first, the rows j < i taking
     # the token i each step.
     dk3 = tl.zeros([NC, BC, BK], dtype=tl.float32)
     decay = tl.full([NC, BC, BK], 1.0, tl.float32)
-    for i in range(0, BC):
-        a_i = _row_of_each(a + i_h * K, i, i_c, start, end, row_base, offs_k, mask_k, H * K,
-                           NC, BC, BT, REVERSE)
-        decay = _decay_step(decay, a_i, local3 < i)
-        q_i = _row_of_each(q + i_h * K, i, i_c, start, end, row_base, offs_k, mask_k, H * K,
-                           NC, BC, BT, REVERSE) * SCALE
-        tok_i, valid_i = _rows(sub3 * BC + i, i_c, start, end, row_base, BT, REVERSE)
-        # dA_ij: row i of each sub-chunk, the column of row j (its own sub-chunk's block)
-        da_i = tl.load(dA + (tok_i * H + i_h) * BT + sub3 * BC + local3,
-                       mask=valid_i & (local3 < i), other=0.0)
-        dk3 += da_i * q_i * decay
+    for i0 in range(0, BC, UNROLL):
+        for u in tl.static_range(UNROLL):
+            i = i0 + u
+            a_i = _row_of_each(a + i_h * K, i, i_c, start, end, row_base, offs_k, mask_k, H * K,
+                               NC, BC, BT, REVERSE)
+            decay = _decay_step(decay, a_i, local3 < i)
+            q_i = _row_of_each(q + i_h * K, i, i_c, start, end, row_base, offs_k, mask_k, H * K,
+                               NC, BC, BT, REVERSE) * SCALE
+            tok_i, valid_i = _rows(sub3 * BC + i, i_c, start, end, row_base, BT, REVERSE)
+            # dA_ij: row i of each sub-chunk, the column of row j (its own sub-chunk's block)
+            da_i = tl.load(dA + (tok_i * H + i_h) * BT + sub3 * BC + local3,
+                           mask=valid_i & (local3 < i), other=0.0)
+            dk3 += da_i * q_i * decay
     b_dq = tl.reshape(dq3, (BT, BK))
     b_dk = tl.reshape(dk3, (BT, BK))
     from_sub += _row_of_each(a + i_h * K, 0, i_c, start, end, row_base, offs_k, mask_k, H * K,
@@ -808,11 +832,7 @@ def _intra_grads_kernel(
     from_sub = tl.reshape(from_sub, (BT, BK))
     after = tl.reshape(after, (BT, BK))
 
-    b_q = _load_rows(q + i_h * K, tok, valid, offs_k, mask_k, H * K).to(tl.float32) * SCALE
-    b_k = _load_rows(k + i_kv * K, tok, valid, offs_k, mask_k, H_KV * K).to(tl.float32)
     if NC > 1:
-        b_a = _load_gates(a, tok, valid, i_h, offs_k, mask_k, H, K)
-        b_da = tl.load(dA + (tok * H + i_h)[:, None] * BT + r[None, :], mask=valid[:, None], other=0.0)
         # As queries, keys in earlier sub-chunks, through the boundary at I's start (see
         # _gk_attention_kernel): dq~_i = exp(G_i - G_b) sum_J dA_iJ (k_J exp(G_b - G_J)).
         b_dq_off = tl.zeros([BT, BK], dtype=tl.float32)
@@ -1072,7 +1092,8 @@ def _forward_launch(static, query, key, value, a, h0, cu_seqlens):
             kernel=_gk_attention_kernel,
             out_shape=[A_shape, per_head, per_head,
                        jax.ShapeDtypeStruct((batch * slots, num_heads, key_dim), jnp.float32)],
-            grid=(slots, batch * num_heads), BC=min(cfg.sub_chunk, bt), **attention,
+            grid=(slots, batch * num_heads), BC=min(cfg.sub_chunk, bt),
+            UNROLL=min(cfg.attention.unroll, cfg.sub_chunk, bt), **attention,
         )
         states, final_state = _run_states(static, num_heads, k_decayed, value, gamma, h0, cu, chunk_offsets,
                                           per_row, slots, flags, _state_dtype(query.dtype), decayed=True)
@@ -1161,7 +1182,8 @@ def _backward_launch(static, query, key, value, a, h0, cu_seqlens, A, d_o, d_fin
             out_shape=[per_token(key_dim)] * 3,
             grid=(cdiv(key_dim, block_k), slots, batch * num_heads),
             num_warps=cfg.intra_grads.num_warps, num_stages=cfg.intra_grads.num_stages,
-            H_KV=num_kv_heads, SCALE=static.scale, BC=sub, BK=block_k, **common,
+            H_KV=num_kv_heads, SCALE=static.scale, BC=sub, BK=block_k, UNROLL=min(cfg.intra_grads.unroll, sub),
+            **common,
         )
     else:
         dq_intra = dk_intra = jnp.zeros((1,), f32)

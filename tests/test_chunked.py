@@ -169,7 +169,7 @@ def test_gate_that_forgets_everything(rng, gate):
         assert rel_err(got, want) < tolerance, what
 
 
-@pytest.mark.parametrize("chunk_size, seq_len", [(16, 50), (32, 70), (64, 100), (64, 21)])
+@pytest.mark.parametrize("chunk_size, seq_len", [(16, 50), (32, 70), (64, 100), (64, 21), (128, 150)])
 def test_chunk_sizes(rng, chunk_size, seq_len):
     """Lengths that are not multiples of the chunk (and one shorter than a chunk)."""
     inputs = make_inputs(rng, batch=1, seq_len=seq_len, gates=ALL_GATES, key_dim=20, value_dim=12)
@@ -190,8 +190,9 @@ def test_grouped_heads(rng):
 
 @pytest.mark.parametrize("packed", [False, True])
 def test_several_tiles_and_sub_chunks(rng, packed):
-    """Tiles narrower than K and V (three of each) and 32-token sub-chunks in 64-token chunks."""
-    tiles = KernelConfig(block_k=16, block_v=16, num_warps=2, num_stages=1)
+    """Tiles narrower than K and V (three of each) and 32-token sub-chunks in 64-token chunks,
+    their walks unrolled by two."""
+    tiles = KernelConfig(block_k=16, block_v=16, num_warps=2, num_stages=1, unroll=2)
     config = ChunkedConfig(**{name: tiles for name in ("states", "attention", "output", "state_grads", "dA",
                                                        "intra_grads", "dv", "inter_grads")}, sub_chunk=32,
                            float32_dot="ieee")
@@ -398,6 +399,7 @@ def test_bad_arguments(kwargs, argument):
     (lambda: KernelConfig(block_k=8), "block_k"), (lambda: KernelConfig(block_v=48), "block_v"),
     (lambda: KernelConfig(num_warps=3), "num_warps"), (lambda: KernelConfig(num_stages=0), "num_stages"),
     (lambda: KernelConfig(block_k=32.0), "block_k"), (lambda: KernelConfig(num_warps=True), "num_warps"),
+    (lambda: KernelConfig(unroll=3), "unroll"),
     (lambda: ChunkedConfig(sub_chunk=8), "sub_chunk"), (lambda: ChunkedConfig(float32_dot="tf32"), "float32_dot"),
     (lambda: ChunkedConfig(states=(64, 64)), "states"),
 ])
