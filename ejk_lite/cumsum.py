@@ -359,11 +359,11 @@ def _local_autotuned(chunk_size: int):
 # keeps NUM_STAGES blocks in flight (see _scan_span): the vector benchmark, [4, 4096, 16, 128], has
 # only 256 walks of 64 x 32 columns for 132 SMs, and one such block is 4 KB of bfloat16 (8 KB of
 # float32); with one block in flight the global kernel reached 54% of the copy bandwidth in
-# bfloat16, 85% in float32. Measured (H100, bfloat16, forward, device time, pinned tiles,
-# 2026-11-24): 64 x 32 with 1 stage 31.6% of the copy, with 3 stages 43.3%, 128 x 32 with 3 stages
-# and 4 warps 64.7% (the best of ten tiles; with 8 warps 46.8%); the list without 128 x 32 / 4
-# warps autotuned to 51.6%. The re-recorded run (fdebc21) autotuned to 65.6% in bfloat16 and 87.9%
-# in float32.
+# bfloat16, 85% in float32. A probe of ten pinned tiles (H100, bfloat16, forward, device time;
+# not recorded, so no figures here) found three stages well ahead of one, and 128 x 32 with 3
+# stages and 4 warps the best tile (ahead of the same with 8 warps); the list without it
+# autotuned lower. The re-recorded run (fdebc21) autotuned to 65.6% in bfloat16 and 87.9% in
+# float32.
 #
 # Why bfloat16 stays behind: the SMs' instruction issue, not the bytes in flight. In the sm_90
 # SASS of the loop (offline compile, triton 3.6) a 128 x 32 block costs 1015 instructions a warp
