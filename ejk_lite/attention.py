@@ -424,7 +424,8 @@ def _fwd_tiles(acc, m_i, l_i, q, offs_m, q_seg, q_pos, list_ptr, count, n_blocks
         s, _ = _logits(q, k, offs_m, offs_n, bias, T, S, LOGITS)
         visible = _visible(offs_m, offs_n, q_seg, q_pos, rule, T, S, MASKED, RULE,
                            SHAPE.EVEN_T, SHAPE.EVEN_S)
-        if MASKED or not SHAPE.EVEN_S:  # full tiles of an even length: every pair is visible
+        # full tiles of an even length: every pair is visible
+        if MASKED or not SHAPE.EVEN_S:
             s = tl.where(visible, s, float("-inf"))
         if SAFE:
             # A NaN (or inf) in the v row of a key that a row cannot see must not reach

@@ -381,10 +381,10 @@ def _chunk_decays(a, r, i_c, start, end, row_base, i_h, offs_k, mask_k, H: tl.co
 
 @triton.jit
 def _decay_matrix(b_a):
-    """The scalar gate's ``[rows, rows]`` decay matrix: ``exp(sum of a over (j, i])`` for rows
-    i, j, and 0 where ``j > i``. Each sum is a cumulative sum along i of the rows after j
-    (``X[s, j] = a_s [s > j]``): direct, never a difference; the masked entries are
-    ``exp(-inf) = 0``, never ``inf * 0``."""
+    """The scalar gate's ``[rows, rows]`` decay matrix: ``exp(sum of a over (j, i])``
+    for rows i, j, and 0 where ``j > i``. Each sum is a cumulative sum along i of the
+    rows after j (``X[s, j] = a_s [s > j]``): direct, never a difference; the masked
+    entries are ``exp(-inf) = 0``, never ``inf * 0``."""
     c = tl.arange(0, b_a.shape[0])
     span = _prefix_sum(tl.where(c[:, None] > c[None, :], b_a[:, None], 0.0), False)
     return tl.exp(tl.where(c[:, None] >= c[None, :], span, float("-inf")))
@@ -411,12 +411,14 @@ def _row_of_each(ptr, j, i_c, start, end, row_base, offs_k, mask_k, STRIDE: tl.c
 
 @triton.jit
 def _decay_step(decay, a_row, rows):
-    """One token more in the spans of ``rows``: ``decay * exp(a_row)`` there, as it was elsewhere.
+    """One token more in the spans of ``rows``: ``decay * exp(a_row)`` there, as it was
+    elsewhere.
 
-    The diagonal blocks' decays ``exp(sum of a over (j, i])`` are grown this way, one token per
-    step, as running products of factors ``exp(a_s) <= 1``, the factors the token-by-token walk
-    multiplies: never above 1, never a difference of sums, and one ``exp`` per column a step for
-    all the rows of a sub-chunk (``a_row`` is ``[NC, 1, BK]``) instead of one per entry."""
+    The diagonal blocks' decays ``exp(sum of a over (j, i])`` are grown this way, one
+    token per step, as running products of factors ``exp(a_s) <= 1``, the factors the
+    token-by-token walk multiplies: never above 1, never a difference of sums, and one
+    ``exp`` per column a step for all the rows of a sub-chunk (``a_row`` is
+    ``[NC, 1, BK]``) instead of one per entry."""
     return tl.where(rows, decay * tl.exp(a_row), decay)
 
 
