@@ -64,15 +64,19 @@ def _tiles(block_k: int, num_warps: int) -> dict:
 # stored / loaded with gk, 196 / 196 with g; BK32 (4 warps) and 8 warps (BK64) do not.
 INTER_BK32 = dict(inter_grads=KernelConfig(block_k=32))
 INTER_W8 = dict(inter_grads=KernelConfig(num_warps=8))
-# (name, gate, ChunkedConfig arguments): the default first. The walks over the diagonal blocks
-# are unrolled by walk_unroll (4 by default).
-VARIANTS = [("gk default (BK32 w4 U4)", "gk", {}),
-            ("gk U1", "gk", dict(walk_unroll=1)),
-            ("gk U2", "gk", dict(walk_unroll=2)),
-            ("gk U8", "gk", dict(walk_unroll=8)),
-            ("gk BK16 w4", "gk", _tiles(16, 4)),
-            ("gk BK32 w8", "gk", _tiles(32, 8)),
-            ("gk inter BK32", "gk", INTER_BK32)]
+# (name, gate, ChunkedConfig arguments): the default first. The forward's diagonal sub-chunk
+# blocks have their own kernel now (_gk_diagonal_kernel, ChunkedConfig.diagonal); offline sm_90
+# registers: _gk_attention_kernel BK32 w4 251, BK16 w4 168, BK16 w8 139, BK32 w8 179;
+# _gk_diagonal_kernel BK64 96, BK128 168, BK32 72.
+K = KernelConfig
+VARIANTS = [("gk default", "gk", {}),
+            ("gk att BK16 w4", "gk", dict(attention=K(block_k=16))),
+            ("gk att BK16 w8", "gk", dict(attention=K(block_k=16, num_warps=8))),
+            ("gk att BK32 w8", "gk", dict(attention=K(block_k=32, num_warps=8))),
+            ("gk diag BK128 U4", "gk", dict(diagonal=K(block_k=128, unroll=4))),
+            ("gk diag BK32 U8", "gk", dict(diagonal=K(block_k=32, unroll=8))),
+            ("gk diag BK64 U1", "gk", dict(diagonal=K(block_k=64, unroll=1))),
+            ("g default", "g", {})]
 
 
 def kernel_breakdown(fn, samples: int) -> list[tuple[str, float]]:
@@ -141,9 +145,9 @@ def main():
             run.log(f"{name}: fwd {stats['fwd']['median_ms']:.4g} ms, fwd+bwd "
                     f"{stats['fwd+bwd']['median_ms']:.4g} ms")
             if ejk_lite.ON_GPU:
-                calls = [("fwd+bwd", lambda: fwd_bwd(inputs, d_o))]
+                calls = [("fwd", lambda: fwd(inputs))]
                 if name == variants[0][0]:
-                    calls.insert(0, ("fwd", lambda: fwd(inputs)))
+                    calls.append(("fwd+bwd", lambda: fwd_bwd(inputs, d_o)))
                 for direction, call in calls:
                     print(f"  {name} {direction}: kernels (median ms per call, warm L2; "
                           "launches per call)")

@@ -102,8 +102,10 @@ _states_kernel        (V/BV, K/BK, N * H)    walks the chunks: H at every chunk'
                                              state (forward; again in the backward)
 _attention_kernel     (NT, B * H)            A, the masked intra-chunk attention [BT, BT]
                                              (scalar gate or none)
-_gk_attention_kernel  (NT, B * H)            the same with a per-key gate, and q exp(G),
+_gk_attention_kernel  (NT, B * H)            the same with a per-key gate, but for the
+                                             diagonal sub-chunk blocks; and q exp(G),
                                              k exp(Gamma - G), Gamma for the states and output
+_gk_diagonal_kernel   (NT * BT/BC, B * H)    per-key gates: A's diagonal sub-chunk blocks
 _output_kernel        (V/BV, NT, B * H)      o = scale (q exp(G)) H + A v
 _state_grads_kernel   (V/BV, K/BK, N * H)    walks the chunks backwards: D for every chunk,
                                              d initial_state
@@ -192,10 +194,14 @@ class ChunkedConfig:
     """
 
     states: KernelConfig = KernelConfig()
-    # The walks' unrolling, measured (H100, bf16, B4 T4096 H16 K=V=128, bench/_probe_chunked_gk.py,
-    # per-kernel medians, not recorded): _gk_attention_kernel 1.24 ms at 1, 1.34 at 2, 1.53 at
-    # 4, 1.26 at 8; _intra_grads_kernel 1.38, 1.25, 1.10, 1.21.
+    # Measured (H100, bf16, B4 T4096 H16 K=V=128, bench/_probe_chunked_gk.py, per-kernel
+    # medians; probes, not recorded): _gk_attention_kernel 0.48 ms at BK32 4 warps (BK16 0.55,
+    # 8 warps 0.89-1.13); _gk_diagonal_kernel 0.42 ms at BK64 unrolled 1 (by 4 0.60, BK32 by 8
+    # 0.59, BK128 by 4 0.74); the walk in _intra_grads_kernel 1.38 ms at 1, 1.25 at 2, 1.10 at
+    # 4, 1.21 at 8. (Before the diagonal blocks had their own kernel, the one forward kernel
+    # that built all of A took 1.24 ms.)
     attention: KernelConfig = KernelConfig(block_k=32)
+    diagonal: KernelConfig = KernelConfig()
     output: KernelConfig = KernelConfig()
     state_grads: KernelConfig = KernelConfig()
     dA: KernelConfig = KernelConfig()
@@ -517,16 +523,18 @@ def _attention_kernel(
 @triton.jit
 def _gk_attention_kernel(
     q, k, a, cu_seqlens, chunk_indices, T, NT_SLOTS, num_seqs,
-    # outputs: A [B * T, H, BT] fp32 as _attention_kernel's; q exp(G) and k exp(Gamma - G)
-    # [B * T, H, K] in the query's dtype; Gamma [B * NT_SLOTS, H, K] fp32
+    # outputs: A [B * T, H, BT] fp32 as _attention_kernel's, but for its diagonal sub-chunk
+    # blocks (_gk_diagonal_kernel's); q exp(G) and k exp(Gamma - G) [B * T, H, K] in the
+    # query's dtype; Gamma [B * NT_SLOTS, H, K] fp32
     A, qd, kd, gamma,
     H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, SCALE: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, UNROLL: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr, F32_DOT: tl.constexpr,
 ):
-    # Per-key gate. One program per chunk, every sub-chunk of it, a loop over K tiles. The sums
-    # of a also give the chunk-level decays the states and the output need, so it writes the
-    # decayed q and k and Gamma for them: they then read neither the gates nor sum anything.
+    # Per-key gate. One program per chunk, every sub-chunk of it, a loop over K tiles: the blocks
+    # of A between sub-chunks, tensor-core products. The sums of a also give the chunk-level
+    # decays the states and the output need, so it writes the decayed q and k and Gamma for
+    # them: they then read neither the gates nor sum anything.
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     i_kv = i_h // (H // H_KV)
@@ -538,51 +546,23 @@ def _gk_attention_kernel(
     r = tl.arange(0, BT)
     sub, local = r // BC, r % BC  # each row's sub-chunk, and its row within it
     tok, valid = _rows(r, i_c, start, end, row_base, BT, REVERSE)
-    same = sub[:, None] == sub[None, :]
-    # The same rows as [NC, BC, .] tiles, a sub-chunk each, for the diagonal blocks.
-    sub3 = tl.arange(0, NC)[:, None, None]
-    local3 = tl.arange(0, BC)[None, :, None]
-    col3 = tl.arange(0, BC)[None, None, :]
-    tok3, valid3 = _rows(sub3 * BC + local3, i_c, start, end, row_base, BT, REVERSE)
+    tok1, valid1 = _rows(r + 1, i_c, start, end, row_base, BT, REVERSE)
+    valid1 = valid1 & (local < BC - 1)  # the next row, within the sub-chunk
 
-    b_off = tl.zeros([BT, BT], dtype=tl.float32)        # blocks of earlier sub-chunks
-    b_diag = tl.zeros([NC, BC, BC], dtype=tl.float32)  # the diagonal blocks
+    b_off = tl.zeros([BT, BT], dtype=tl.float32)  # blocks of earlier sub-chunks
     for i_k in range(0, tl.cdiv(K, BK)):
         offs_k = i_k * BK + tl.arange(0, BK)
         mask_k = offs_k < K
-
-        # The diagonal blocks, one key column j of every sub-chunk at a time, from the last:
-        # decay holds exp(sum of a over (j, i]) for the rows i > j (1 for the others), grown by
-        # the row after j at each step (_decay_step). The same steps add up, as direct sums, the
-        # log-decays the blocks between sub-chunks need: from the sub-chunk's start to i
-        # (from_sub), and from j (exclusive) to the sub-chunk's end (after, kept in row j).
-        # (The whole tiles first: the walk's loads of single rows then find them in L1. Its steps
-        # are unrolled by UNROLL: their loads do not depend on each other.)
         b_q = _load_rows(q + i_h * K, tok, valid, offs_k, mask_k, H * K).to(tl.float32)
         b_k = _load_rows(k + i_kv * K, tok, valid, offs_k, mask_k, H_KV * K).to(tl.float32)
         b_a = _load_gates(a, tok, valid, i_h, offs_k, mask_k, H, K)
-        q3 = tl.load(q + (tok3 * H + i_h) * K + offs_k[None, None, :],
-                     mask=valid3 & mask_k[None, None, :], other=0.0).to(tl.float32)
-        decay = tl.full([NC, BC, BK], 1.0, tl.float32)
-        from_sub = tl.zeros([NC, BC, BK], dtype=tl.float32)
-        after = tl.zeros([NC, BC, BK], dtype=tl.float32)
-        run = tl.zeros([NC, 1, BK], dtype=tl.float32)
-        for j0 in range(0, BC, UNROLL):
-            for u in tl.static_range(UNROLL):
-                j = BC - 1 - (j0 + u)
-                a_next = _row_of_each(a + i_h * K, j + 1, i_c, start, end, row_base, offs_k, mask_k, H * K,
-                                      NC, BC, BT, REVERSE)
-                decay = _decay_step(decay, a_next, local3 > j)
-                from_sub += tl.where(local3 > j, a_next, 0.0)
-                run += a_next
-                after = tl.where(local3 == j, run, after)
-                k_j = _row_of_each(k + i_kv * K, j, i_c, start, end, row_base, offs_k, mask_k, H_KV * K,
-                                   NC, BC, BT, REVERSE)
-                b_diag += tl.where(col3 == j, tl.sum(q3 * k_j * decay, axis=2)[:, :, None], 0.0)
-        from_sub += _row_of_each(a + i_h * K, 0, i_c, start, end, row_base, offs_k, mask_k, H * K,
-                                 NC, BC, BT, REVERSE)
-        from_sub = tl.reshape(from_sub, (BT, BK))
-        after = tl.reshape(after, (BT, BK))
+        # Within each sub-chunk, as [NC, BC, BK]: the log-decay from its start to i (from_sub),
+        # and from j (exclusive) to its end (after, the reverse cumulative sum of the rows
+        # shifted by one): direct sums, never a difference.
+        from_sub = tl.reshape(tl.cumsum(tl.reshape(b_a, (NC, BC, BK)), axis=1), (BT, BK))
+        b_a1 = _load_gates(a, tok1, valid1, i_h, offs_k, mask_k, H, K)
+        after = tl.reshape(tl.cumsum(tl.reshape(b_a1, (NC, BC, BK)), axis=1, reverse=True),
+                           (BT, BK))
 
         # Queries in sub-chunk I, keys in an earlier J, b the boundary before I:
         # exp(G_i - G_b) exp(G_b - G_j), both factors <= 1. The first is the sum from I's start
@@ -613,9 +593,53 @@ def _gk_attention_kernel(
 
     # Later sub-chunks are zero (A is lower-triangular in walking order), as b_off holds them.
     tl.store(A + (tok[:, None] * H + i_h) * BT + r[None, :], b_off * SCALE,
-             mask=valid[:, None] & ~same)
-    tl.store(A + (tok3 * H + i_h) * BT + sub3 * BC + col3,
-             tl.where(col3 <= local3, b_diag, 0.0) * SCALE, mask=valid3)
+             mask=valid[:, None] & (sub[:, None] != sub[None, :]))
+
+
+@triton.jit
+def _gk_diagonal_kernel(
+    q, k, a, cu_seqlens, chunk_indices, T, num_seqs,
+    A_in, A,  # A (aliased, from _gk_attention_kernel): its diagonal sub-chunk blocks written here
+    H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, SCALE: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, UNROLL: tl.constexpr,
+    REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr,
+):
+    # Per-key gate. One program per sub-chunk: its [BC, BC] block of A, one key column j at a
+    # time from the last; decay holds exp(sum of a over (j, i]) for the rows i > j (1 for the
+    # others), grown by the row after j at each step (_decay_step). Small tiles, a program
+    # each: many programs in flight hide the latency of the walk's row loads.
+    i_tc, i_bh = tl.program_id(0), tl.program_id(1)
+    NC: tl.constexpr = BT // BC
+    i_t, i_s = i_tc // NC, i_tc % NC
+    i_b, i_h = i_bh // H, i_bh % H
+    i_kv = i_h // (H // H_KV)
+    i_c, start, end = _chunk_of_program(cu_seqlens, chunk_indices, i_t, T, num_seqs, IS_VARLEN)
+    if start + i_c * BT >= end:
+        return
+    row_base = i_b.to(tl.int64) * T
+    c = tl.arange(0, BC)
+    tok, valid = _rows(i_s * BC + c, i_c, start, end, row_base, BT, REVERSE)
+
+    b_d = tl.zeros([BC, BC], dtype=tl.float32)
+    for i_k in range(0, tl.cdiv(K, BK)):
+        offs_k = i_k * BK + tl.arange(0, BK)
+        mask_k = offs_k < K
+        b_q = _load_rows(q + i_h * K, tok, valid, offs_k, mask_k, H * K).to(tl.float32)
+        decay = tl.full([BC, BK], 1.0, tl.float32)
+        for j0 in range(0, BC, UNROLL):
+            for u in tl.static_range(UNROLL):
+                j = BC - 1 - (j0 + u)
+                tok_n, valid_n = _rows(i_s * BC + j + 1, i_c, start, end, row_base, BT, REVERSE)
+                a_next = tl.load(a + (tok_n * H + i_h) * K + offs_k,
+                                 mask=mask_k & valid_n & (j + 1 < BC), other=0.0)
+                decay = _decay_step(decay, a_next[None, :], (c > j)[:, None])
+                tok_j, valid_j = _rows(i_s * BC + j, i_c, start, end, row_base, BT, REVERSE)
+                k_j = tl.load(k + (tok_j * H_KV + i_kv) * K + offs_k, mask=mask_k & valid_j,
+                              other=0.0).to(tl.float32)
+                b_d += tl.where(c[None, :] == j, tl.sum(b_q * k_j[None, :] * decay, axis=1)[:, None],
+                                0.0)
+    tl.store(A + (tok[:, None] * H + i_h) * BT + i_s * BC + c[None, :],
+             tl.where(c[None, :] <= c[:, None], b_d, 0.0) * SCALE, mask=valid[:, None])
 
 
 @triton.jit
@@ -1094,8 +1118,17 @@ def _forward_launch(static, query, key, value, a, h0, cu_seqlens):
             kernel=_gk_attention_kernel,
             out_shape=[A_shape, per_head, per_head,
                        jax.ShapeDtypeStruct((batch * slots, num_heads, key_dim), jnp.float32)],
-            grid=(slots, batch * num_heads), BC=min(cfg.sub_chunk, bt),
-            UNROLL=min(cfg.attention.unroll, cfg.sub_chunk, bt), **attention,
+            grid=(slots, batch * num_heads), BC=min(cfg.sub_chunk, bt), **attention,
+        )
+        sub = min(cfg.sub_chunk, bt)
+        block_k, _ = _fit(cfg.diagonal, key_dim, value_dim)
+        A = triton_call(
+            query, key, a, cu, chunk_indices, seq_len, per_row, A,
+            kernel=_gk_diagonal_kernel, out_shape=A_shape, grid=(slots * (bt // sub), batch * num_heads),
+            input_output_aliases={5: 0},
+            num_warps=cfg.diagonal.num_warps, num_stages=cfg.diagonal.num_stages,
+            H=num_heads, H_KV=num_kv_heads, K=key_dim, SCALE=static.scale, BT=bt, BC=sub, BK=block_k,
+            UNROLL=min(cfg.diagonal.unroll, sub), REVERSE=static.reverse, IS_VARLEN=flags["IS_VARLEN"],
         )
         states, final_state = _run_states(static, num_heads, k_decayed, value, gamma, h0, cu, chunk_offsets,
                                           per_row, slots, flags, _state_dtype(query.dtype), decayed=True)
