@@ -26,9 +26,28 @@ relative L2 error within ``TOL`` (bf16's, from ``ejk_lite.testing``). fla runs t
     python bench/chunked.py --out bench/results                  # GPU, every shape
     python bench/chunked.py --shapes 2,3 --merge --out bench/results   # some shapes, kept beside
                                                                  # the file's others (same commit)
+    python bench/chunked.py --shapes 0 --gates gk --merge --refusals OLD.json --out DIR
     python bench/chunked.py --quick --out /tmp/bench_chunked     # tiny shapes, CPU interpreter
 
-The file is written after every shape, so a run cut short keeps what it finished.
+The file is written after every (shape, gate), so a run cut short keeps what it finished, and
+``--merge`` keeps the file's other (shape, gate) pairs. ``--refusals`` takes fla's refusals from
+an earlier results file of the same fla, torch and Triton on the same device (fla refuses by
+its own check of the Triton version, whatever our commit): asking again cost 113-138 s.
+
+One shape's race does not fit one 10-minute GPU call from a cold start: fla autotunes every
+kernel (on the H100, shape 0's scalar gate alone ran past 390 s). fla keeps its autotuning
+results in Triton's cache directory (``FLA_CACHE_RESULTS``, on by default), so carry the
+``*.autotune.json`` files from one call to the next: each call then picks up where the last
+stopped, and a warm call times without autotuning. In the call::
+
+    export TRITON_CACHE_DIR=/tmp/tcache; mkdir -p $TRITON_CACHE_DIR
+    [ -f .scratch/race/autotune.tgz ] && tar xzf .scratch/race/autotune.tgz -C $TRITON_CACHE_DIR
+    timeout 500 python3 bench/chunked.py --shapes 0 --gates g --merge ... --out .scratch/race
+    cp -r .scratch/race $OUT/; (cd $TRITON_CACHE_DIR && find . -name '*.autotune.json' \
+        | tar czf $OUT/autotune.tgz -T -)
+
+and here, after it, copy ``autotune.tgz`` and ``chunked.json`` back into ``.scratch/race`` (and
+carry ``.scratch/race``).
 """
 
 from __future__ import annotations
@@ -62,6 +81,7 @@ from common import (  # noqa: E402
     row,
     time_stats_ms,
     tolerance,
+    versions,
     worst,
     write_result,
 )
@@ -125,14 +145,14 @@ def fla_peer(run, fla, form, gate, inputs, d_o, scale, samples, refused):
                                                broadcast=True)
 
 
-def run_shape(run, index, shape, ops, fla, samples, quick, copy_gbs, rows, refused):
-    """Both gates at one shape: ours against the float32 reference and fla's peers (rows
-    appended)."""
+def run_shape(run, index, shape, ops, fla, samples, quick, copy_gbs, rows, refused, gates, write):
+    """The ``gates`` at one shape: ours against the float32 reference and fla's peers (rows
+    appended; ``write()`` after each gate)."""
     b, t, h, d = shape["batch"], shape["seq_len"], shape["heads"], shape["dim"]
     h_kv = shape.get("kv_heads") or h
     scale = d ** -0.5
     check_len = t if quick else min(t, CHECK_SEQ_LEN)
-    for gate in GATES:
+    for gate in gates:
         name = f"{shape_name(shape)} {gate}"
         # Inputs seeded by the shape's index and the gate: the same with or without --merge.
         inputs, d_o = peers.gla_inputs(2 * index + (gate == "gk"), b, t, h, d, gate,
@@ -197,13 +217,14 @@ def run_shape(run, index, shape, ops, fla, samples, quick, copy_gbs, rows, refus
                                     kv_heads=h_kv))
             del peer
         del inputs, d_o
+        run.log(f"wrote {write()}")  # after every gate: a run cut short keeps what it finished
 
 
 def kept_rows(out: str, run_names: set[str], this_commit: str | None, quick: bool
               ) -> tuple[list, dict, list, list]:
     """``--merge``: the rows, fla's refusals, commands and failures of the file in ``out`` for
-    shapes this run does not measure; refused unless that file was measured on the same commit
-    and the same device."""
+    the (shape, gate) pairs this run does not measure (``run_names``: "<shape> <gate>");
+    refused unless that file was measured on the same commit and the same device."""
     path = Path(out) / f"{OP}.json"
     if not path.exists():
         return [], {}, [], []
@@ -213,11 +234,23 @@ def kept_rows(out: str, run_names: set[str], this_commit: str | None, quick: boo
         sys.exit(f"--merge: {path} was measured on {old.get('commit')} (quick={old.get('quick')}, "
                  f"{old.get('device')}), this run on {this_commit} ({device_name()}): run every "
                  "shape instead")
-    rows = [r for r in old["rows"] if r["name"].rsplit(" ", 1)[0] not in run_names]
+    rows = [r for r in old["rows"] if r["name"] not in run_names]
     failures = [f for f in old.get("failures", [])  # those of the shapes kept, and general ones
                 if not any(f.startswith(name + " ") for name in run_names)]
     return (rows, old.get("peers_refused", {}), old.get("commands", [old.get("command")]),
             failures)
+
+
+def earlier_refusals(path: str, fla_versions: dict) -> tuple[dict[str, str], str | None]:
+    """(fla's refusals, commit) recorded in the results file ``path``, where it ran the same
+    fla, torch and Triton on the same device as this run (fla refuses by its own check of the
+    Triton version); exits otherwise."""
+    old = json.loads(Path(path).read_text())
+    here = (fla_versions, versions()["triton"], device_name())
+    there = (old.get("peer_versions"), old.get("versions", {}).get("triton"), old.get("device"))
+    if here != there:
+        sys.exit(f"--refusals: {path} ran {there}, this run {here}: its refusals may not hold")
+    return dict(old.get("peers_refused") or {}), old.get("commit")
 
 
 def main():
@@ -225,12 +258,19 @@ def main():
         parser.add_argument("--shapes", help="indices into SHAPES to run, e.g. 0,2 (default all)")
         parser.add_argument("--merge", action="store_true",
                             help="keep the other shapes' rows of the file in --out (same commit)")
+        parser.add_argument("--gates", default=",".join(GATES),
+                            help=f"the gates to run, of {','.join(GATES)} (default both)")
+        parser.add_argument("--refusals", help="an earlier results file whose fla refusals hold "
+                            "here (same fla, torch, Triton and device: checked)")
 
     args = parse_args(__doc__.splitlines()[0], extra)
     quick = args.quick
     every = QUICK_SHAPES if quick else SHAPES
     picked = [int(i) for i in args.shapes.split(",")] if args.shapes else range(len(every))
     shapes = [(i, every[i]) for i in picked]
+    gates = args.gates.split(",")
+    if not gates or any(g not in GATES for g in gates):
+        sys.exit(f"--gates: each of {', '.join(GATES)}, got {args.gates!r}")
     samples = QUICK_SAMPLES if quick else SAMPLES
     ops = dict(OURS)
     if quick:
@@ -242,7 +282,15 @@ def main():
     rows, refused, earlier = [], {}, []
     if args.merge:
         rows, refused, earlier, run.failures = kept_rows(
-            args.out, {shape_name(s) for _, s in shapes}, commit(), quick)
+            args.out, {f"{shape_name(s)} {g}" for _, s in shapes for g in gates}, commit(), quick)
+    refused_earlier = {}  # name: where it was recorded
+    if args.refusals and fla is not None:
+        earlier_refused, earlier_commit = earlier_refusals(args.refusals, fla["versions"])
+        for name, why in earlier_refused.items():
+            if name not in refused:
+                refused[name] = why
+                refused_earlier[name] = (f"as recorded in {args.refusals} (commit "
+                                         f"{earlier_commit}; same fla, torch, Triton, device)")
     if fla is None and ejk_lite.ON_GPU:
         run.failures.append(f"peer fla not run on the GPU: {fla_missing}")
 
@@ -257,6 +305,7 @@ def main():
             if fla else f"not run: {fla_missing}",
             peer_versions=fla["versions"] if fla else None,
             peers_refused=refused,
+            peers_refused_earlier=refused_earlier or None,
             target="at least fla's speed at every shape, forward and forward+backward: our "
                    "chunked op against fla's chunk kernels, our recurrent one against its fused "
                    "recurrent",
@@ -282,8 +331,8 @@ def main():
         return write_result(args.out, OP, payload)
 
     for index, shape in shapes:
-        run_shape(run, index, shape, ops, fla, samples, quick, copy_gbs, rows, refused)
-        run.log(f"wrote {write()}")  # after every shape: a run cut short keeps what it finished
+        run_shape(run, index, shape, ops, fla, samples, quick, copy_gbs, rows, refused, gates,
+                  write)
     print_table(rows, ["name", "impl", "direction", "median_ms", "min_ms", "max_ms", "gbs",
                        "rel_err", "speedup_vs_fla"])
     run.finish()
