@@ -32,10 +32,12 @@ relative L2 error within ``TOL`` (bf16's, from ``ejk_lite.testing``). fla runs t
 The file is written after every (shape, gate), so a run cut short keeps what it finished, and
 ``--merge`` keeps the file's other (shape, gate) pairs. ``--refusals`` takes fla's refusals from
 an earlier results file of the same fla, torch and Triton on the same device (fla refuses by
-its own check of the Triton version, whatever our commit): asking again cost 113-138 s.
+its own check of the Triton version, whatever our commit): asking again cost 113 s (H100,
+8c02bab) and 138 s (H100, c96caac: the refusal logged at 181 s, after 43 s of start-up).
 
 One shape's race does not fit one 10-minute GPU call from a cold start: fla autotunes every
-kernel (on the H100, shape 0's scalar gate alone ran past 390 s). fla keeps its autotuning
+kernel (H100, c96caac, ``--shapes 0``: the scalar gate had not finished 394 s after the refusal
+above, when ``timeout 575`` stopped the call). fla keeps its autotuning
 results in Triton's cache directory (``FLA_CACHE_RESULTS``, on by default), so carry the
 ``*.autotune.json`` files from one call to the next: each call then picks up where the last
 stopped, and a warm call times without autotuning. In the call::
@@ -221,10 +223,11 @@ def run_shape(run, index, shape, ops, fla, samples, quick, copy_gbs, rows, refus
 
 
 def kept_rows(out: str, run_names: set[str], this_commit: str | None, quick: bool
-              ) -> tuple[list, dict, list, list]:
+              ) -> tuple[list, dict, list, list, dict]:
     """``--merge``: the rows, fla's refusals, commands and failures of the file in ``out`` for
-    the (shape, gate) pairs this run does not measure (``run_names``: "<shape> <gate>");
-    refused unless that file was measured on the same commit and the same device."""
+    the (shape, gate) pairs this run does not measure (``run_names``: "<shape> <gate>"), and the
+    refusals it took from an earlier file; refused unless that file was measured on the same
+    commit and the same device."""
     path = Path(out) / f"{OP}.json"
     if not path.exists():
         return [], {}, [], []
@@ -238,7 +241,7 @@ def kept_rows(out: str, run_names: set[str], this_commit: str | None, quick: boo
     failures = [f for f in old.get("failures", [])  # those of the shapes kept, and general ones
                 if not any(f.startswith(name + " ") for name in run_names)]
     return (rows, old.get("peers_refused", {}), old.get("commands", [old.get("command")]),
-            failures)
+            failures, old.get("peers_refused_earlier") or {})
 
 
 def earlier_refusals(path: str, fla_versions: dict) -> tuple[dict[str, str], str | None]:
@@ -257,7 +260,8 @@ def main():
     def extra(parser):
         parser.add_argument("--shapes", help="indices into SHAPES to run, e.g. 0,2 (default all)")
         parser.add_argument("--merge", action="store_true",
-                            help="keep the other shapes' rows of the file in --out (same commit)")
+                            help="keep the file in --out's rows of the other (shape, gate) pairs "
+                                 "(same commit)")
         parser.add_argument("--gates", default=",".join(GATES),
                             help=f"the gates to run, of {','.join(GATES)} (default both)")
         parser.add_argument("--refusals", help="an earlier results file whose fla refusals hold "
@@ -268,9 +272,10 @@ def main():
     every = QUICK_SHAPES if quick else SHAPES
     picked = [int(i) for i in args.shapes.split(",")] if args.shapes else range(len(every))
     shapes = [(i, every[i]) for i in picked]
-    gates = args.gates.split(",")
+    gates = list(dict.fromkeys(args.gates.split(",")))  # each once, in the order given
     if not gates or any(g not in GATES for g in gates):
         sys.exit(f"--gates: each of {', '.join(GATES)}, got {args.gates!r}")
+    this_run = [f"{shape_name(s)} {g}" for _, s in shapes for g in gates]
     samples = QUICK_SAMPLES if quick else SAMPLES
     ops = dict(OURS)
     if quick:
@@ -279,11 +284,10 @@ def main():
     fla, fla_missing = peers.load_fla()
     run.log(f"fla: {'loaded ' + str(fla['versions']) if fla else 'not run: ' + fla_missing}")
     copy_gbs, dispatch_ms = ceilings()
-    rows, refused, earlier = [], {}, []
+    rows, refused, earlier, refused_earlier = [], {}, [], {}
     if args.merge:
-        rows, refused, earlier, run.failures = kept_rows(
-            args.out, {f"{shape_name(s)} {g}" for _, s in shapes for g in gates}, commit(), quick)
-    refused_earlier = {}  # name: where it was recorded
+        rows, refused, earlier, run.failures, refused_earlier = kept_rows(
+            args.out, set(this_run), commit(), quick)
     if args.refusals and fla is not None:
         earlier_refused, earlier_commit = earlier_refusals(args.refusals, fla["versions"])
         for name, why in earlier_refused.items():
@@ -295,6 +299,11 @@ def main():
         run.failures.append(f"peer fla not run on the GPU: {fla_missing}")
 
     def write():
+        # Every (shape, gate) of the benchmark not in the file yet: it passes only with none
+        # (a run cut short, or one of some shapes, is not the race).
+        done = {r["name"] for r in rows}
+        pending = [p for p in (f"{shape_name(s)} {g}" for s in every for g in GATES)
+                   if p not in done]
         payload = dict(
             commit=commit(), commands=[*earlier, " ".join(sys.argv)], quick=quick,
             copy_bandwidth_gbs=copy_gbs,
@@ -312,7 +321,8 @@ def main():
             tolerance=TOL,
             speedups_vs_fla={f"{r['name']} {r['impl']} {r['direction']}":
                              round(r["speedup_vs_fla"], 3) for r in rows if "speedup_vs_fla" in r},
-            failures=run.failures, passed=not run.failures, rows=rows,
+            failures=run.failures, pending=pending, passed=not run.failures and not pending,
+            rows=rows,
             notes=("bf16 q, k, v, log-gates and cotangent; fp32 state. fwd: the output; fwd+bwd: "
                    "jax.vjp of the output (final state unused) with a random cotangent, every "
                    "input's gradient (fla: loss.backward with the same cotangent). Times: min / "

@@ -99,19 +99,25 @@ def versions() -> dict[str, str]:
 
 def commit() -> str | None:
     """The commit the measured tree was taken from: ``$EJK_COMMIT``, else
-    ``bench/results/.commit`` (``python bench/gpu_check.py prepare``), else
-    ``git rev-parse HEAD``."""
+    ``bench/results/.commit`` (``python bench/gpu_check.py prepare``; the GPU machine's copy has
+    no git), else ``git rev-parse HEAD``. Where git answers and ``.commit`` names another commit,
+    ``.commit`` is stale (prepare was not run since): HEAD, said on stderr."""
     if os.environ.get("EJK_COMMIT"):
         return os.environ["EJK_COMMIT"]
     root = Path(__file__).resolve().parent.parent
-    recorded = root / "bench" / "results" / ".commit"
-    if recorded.exists():
-        return json.loads(recorded.read_text()).get("commit")
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
                               text=True, check=True).stdout.strip()
     except Exception:  # noqa: BLE001 (no git where the benchmark runs)
-        return None
+        head = None
+    recorded = root / "bench" / "results" / ".commit"
+    if recorded.exists():
+        named = json.loads(recorded.read_text()).get("commit")
+        if head is None or named == head:
+            return named
+        print(f"bench/results/.commit names {named}, HEAD is {head}: stale, recording HEAD",
+              file=sys.stderr)
+    return head
 
 
 def device_name() -> str:
