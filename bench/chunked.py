@@ -36,8 +36,8 @@ its own check of the Triton version, whatever our commit): asking again cost 113
 8c02bab) and 138 s (H100, c96caac: the refusal logged at 181 s, after 43 s of start-up).
 
 One shape's race does not fit one 10-minute GPU call from a cold start: fla autotunes every
-kernel (H100, c96caac, ``--shapes 0``: the scalar gate had not finished 394 s after the refusal
-above, when ``timeout 575`` stopped the call). fla keeps its autotuning
+kernel (H100, c96caac, ``--shapes 0``: the scalar gate had not finished some 390 s after the
+refusal above, when ``timeout 575`` stopped the call). fla keeps its autotuning
 results in Triton's cache directory (``FLA_CACHE_RESULTS``, on by default), so carry the
 ``*.autotune.json`` files from one call to the next: each call then picks up where the last
 stopped, and a warm call times without autotuning. In the call::
