@@ -37,8 +37,10 @@ exponent here is the decay over a span of tokens *in walking order*, never posit
   ``I``: ``exp(G_i - G_j) = exp(G_i - G_b) * exp(G_b - G_j)`` with ``j <= b < i``, both factors
   at most 1, so ``A_IJ = (q_I exp(G_I - G_b)) (k_J exp(G_b - G_J))^T`` is a matrix product
   again. On the diagonal sub-chunks (``i`` and ``j`` in the same 16 tokens) there is no such
-  ``b``: the ``16 x 16 x BK`` terms are computed elementwise, one key column ``j`` of every
-  sub-chunk at a time, with ``exp(G_i - G_j)`` for ``i >= j`` only, held as a running product
+  ``b``: the ``16 x 16 x BK`` terms are computed elementwise, walking one key column ``j`` (or
+  query row ``i``) at a time (the forward: a program per sub-chunk; the backward: a program per
+  chunk, the same step of every sub-chunk at once), with ``exp(G_i - G_j)`` for ``i >= j``
+  only, held as a running product
   of the factors ``exp(a_s) <= 1`` of the tokens in between (one more factor a step; the other
   rows keep 1 and are masked out).
 
@@ -193,17 +195,17 @@ class ChunkedConfig:
     per-key-gate intra-chunk products, whose operands are decayed in float32, use TF32 then.
     """
 
-    states: KernelConfig = KernelConfig()
-    # Measured (H100, bf16, B4 T4096 H16 K=V=128, bench/_probe_chunked_gk.py, per-kernel
-    # medians; probes, not recorded): _gk_attention_kernel 0.48 ms at BK32 4 warps (BK16 0.55,
-    # 8 warps 0.89-1.13); _gk_diagonal_kernel 0.42 ms at BK64 unrolled 1 (by 4 0.60, BK32 by 8
-    # 0.59, BK128 by 4 0.74); the walk in _intra_grads_kernel 1.38 ms at 1, 1.25 at 2, 1.10 at
-    # 4, 1.21 at 8. (Before the diagonal blocks had their own kernel, the one forward kernel
-    # that built all of A took 1.24 ms.)
+    states: KernelConfig = KernelConfig(block_v=32, num_stages=3)
+    # Measured (H100, bf16, B4 T4096 H16 K=V=128, bench/_probe_chunked_gk.py at 5e1bd92 and, for
+    # the unrolling, c96caac; per-kernel medians; probes, not recorded): _gk_attention_kernel
+    # 0.48 ms at BK32 4 warps (BK16 0.55, 8 warps 0.89-1.13); _gk_diagonal_kernel 0.42 ms at
+    # BK64 unrolled 1 (by 4 0.60, BK32 by 8 0.59, BK128 by 4 0.74); the walk in
+    # _intra_grads_kernel 1.38 ms at 1, 1.25 at 2, 1.10 at 4, 1.21 at 8. (Before the diagonal
+    # blocks had their own kernel, the one forward kernel that built all of A took 1.24 ms.)
     attention: KernelConfig = KernelConfig(block_k=32)
     diagonal: KernelConfig = KernelConfig()
     output: KernelConfig = KernelConfig()
-    state_grads: KernelConfig = KernelConfig()
+    state_grads: KernelConfig = KernelConfig(block_v=32, num_stages=3)
     dA: KernelConfig = KernelConfig()
     intra_grads: KernelConfig = KernelConfig(block_k=32, unroll=4)
     dv: KernelConfig = KernelConfig()
@@ -322,65 +324,33 @@ def _load_gates(a, tok, valid, i_h, offs_k, mask_k, H: tl.constexpr, K: tl.const
 
 
 @triton.jit
-def _triangle(n: tl.constexpr, REVERSE: tl.constexpr):
-    """``[n, n]`` booleans: ``j <= i`` in row i (``j >= i`` if ``REVERSE``)."""
-    r = tl.arange(0, n)
-    if REVERSE:
-        tri = r[:, None] <= r[None, :]
-    else:
-        tri = r[:, None] >= r[None, :]
-    return tri
-
-
-@triton.jit
-def _prefix_sum(x, REVERSE: tl.constexpr):
-    """The cumulative sum of a tile ``x`` [rows, cols] down its rows (from the last row up if
-    ``REVERSE``), as a product with a triangle of ones on the tensor cores: each entry is the
-    direct sum ``tl.cumsum`` would form, up to the order of its additions.
-
-    Why a product: Triton 3.6's scan lowering asserts (``AddPartialReduce``, triton issue 7817)
-    when a scan's result meets a ``tl.dot`` layout, which is every use here; ``tl.cumsum`` ran in
-    the interpreter and failed to compile on the H100. Why two TF32 products: the ones are exact
-    in TF32, but one TF32 product keeps 11 bits of ``x``; so ``x = hi + lo`` with ``hi`` its top 11
-    bits (exact in TF32) and ``lo`` the rest (exact in float32, 11 of its bits kept: an error of
-    ~2**-21 of ``x``). Measured on the H100 (bf16, B4 T4096 H16 K=V=128, per-key gate, forward +
-    backward, one process each): float32 FMAs (``ieee``) 13.5 ms, Triton's ``tf32x3`` 6.4 ms,
-    these two TF32 products 6.6 ms, one TF32 product (too coarse) 5.2 ms. A scalar gate needs no
-    tile: :func:`_vector_prefix_sum` (its forward + backward: 7.3 ms with ``ieee`` tiles, 2.0 ms
-    with vectors)."""
-    tri = _triangle(x.shape[0], REVERSE).to(tl.float32)
-    hi = (x.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)  # 13 low bits cleared
-    return tl.dot(tri, x - hi, acc=tl.dot(tri, hi, input_precision="tf32"), input_precision="tf32")
-
-
-@triton.jit
-def _vector_prefix_sum(x, REVERSE: tl.constexpr):
-    """The cumulative sum of a vector ``x`` [rows] (a scalar gate's log-decays), as a masked
-    ``[rows, rows]`` reduction: float32 additions, no product, no scan."""
-    return tl.sum(tl.where(_triangle(x.shape[0], REVERSE), x[None, :], 0.0), axis=1)
-
-
-@triton.jit
 def _chunk_decays(a, r, i_c, start, end, row_base, i_h, offs_k, mask_k, H: tl.constexpr, K: tl.constexpr,
                   BT: tl.constexpr, USE_GK: tl.constexpr, REVERSE: tl.constexpr):
     """For the chunk's rows ``r = 0 .. BT - 1``: the log-decay from the chunk's start to each row
     (inclusive: ``G_i``), from each row to the chunk's end (exclusive: ``Gamma - G_j``), and over the
     whole chunk (``Gamma``), each a direct sum, ``[BT, BK]`` and ``[BK]``. The exclusive suffix is
     the reverse cumulative sum of the rows shifted by one, not ``Gamma - G_j``. A scalar gate's
-    sums are formed on ``[BT]`` vectors and broadcast along K."""
+    sums are formed on ``[BT]`` vectors and broadcast along K.
+
+    Every sum is ``tl.cumsum``: exact float32 additions. (Earlier versions formed them as
+    products with a triangle of ones on the tensor cores, two TF32 products to keep float32
+    accuracy, because ``tl.cumsum`` next to a product failed to compile in the first version of
+    these kernels, with Triton 3.6 on the H100. It compiles now, and it is faster: H100 probe,
+    bf16, B4 T4096 H16 K=V=128, forward + backward, per-key gate 4.10 -> 4.01 ms, scalar gate
+    1.66 -> 1.53; B1 T32768 H8 K=V=64: 3.72 -> 3.69 and 2.11 -> 2.02.)"""
     tok, valid = _rows(r, i_c, start, end, row_base, BT, REVERSE)
     tok1, valid1 = _rows(r + 1, i_c, start, end, row_base, BT, REVERSE)
     if USE_GK:
         b_a = _load_gates(a, tok, valid, i_h, offs_k, mask_k, H, K)
         b_a1 = _load_gates(a, tok1, valid1, i_h, offs_k, mask_k, H, K)
-        from_start, to_end = _prefix_sum(b_a, False), _prefix_sum(b_a1, True)
+        from_start, to_end = tl.cumsum(b_a, axis=0), tl.cumsum(b_a1, axis=0, reverse=True)
         total = tl.sum(b_a, axis=0)
     else:
         b_a = tl.load(a + (tok * H + i_h), mask=valid, other=0.0)
         b_a1 = tl.load(a + (tok1 * H + i_h), mask=valid1, other=0.0)
         along_k = tl.zeros_like(offs_k).to(tl.float32)
-        from_start = _vector_prefix_sum(b_a, False)[:, None] + along_k[None, :]
-        to_end = _vector_prefix_sum(b_a1, True)[:, None] + along_k[None, :]
+        from_start = tl.cumsum(b_a, axis=0)[:, None] + along_k[None, :]
+        to_end = tl.cumsum(b_a1, axis=0, reverse=True)[:, None] + along_k[None, :]
         total = tl.sum(b_a, axis=0) + along_k
     return from_start, to_end, total
 
@@ -392,7 +362,7 @@ def _decay_matrix(b_a):
     rows after j (``X[s, j] = a_s [s > j]``): direct, never a difference; the masked
     entries are ``exp(-inf) = 0``, never ``inf * 0``."""
     c = tl.arange(0, b_a.shape[0])
-    span = _prefix_sum(tl.where(c[:, None] > c[None, :], b_a[:, None], 0.0), False)
+    span = tl.cumsum(tl.where(c[:, None] > c[None, :], b_a[:, None], 0.0), axis=0)
     return tl.exp(tl.where(c[:, None] >= c[None, :], span, float("-inf")))
 
 
@@ -1371,8 +1341,9 @@ _chunked.defvjp(_chunked_fwd, _chunked_bwd, symbolic_zeros=True)
 
 # A log-decay at or below this is a decay of exactly 0 in float32 (exp underflows below about
 # -104), and so is every span that contains it: clamping to it changes no result. It keeps -inf
-# (a gate that forgets everything) out of the kernels, whose products with a triangle of ones
-# (_prefix_sum) would turn 0 * -inf into NaN; the gradient of a clamped gate is 0, as exp's is.
+# (a gate that forgets everything) out of the kernels, where a sum that met it is -inf and the
+# masks and products around it (0 * -inf) would make NaN; the gradient of a clamped gate is 0,
+# as exp's is.
 _LOG_DECAY_FLOOR = -1e4
 
 

@@ -163,8 +163,10 @@ def run_kernels(op):
 
         def launches(q, cu):  # forward and backward launches, without _chunked_jit's sanitization
             results = []
-            for reverse in (False, True):
-                static = chk._Static(scale=0.5, chunk_size=16, reverse=reverse, config=chk.ChunkedConfig())
+            # chunk 32: two 16-token sub-chunks, so the per-key kernels' blocks between
+            # sub-chunks and their programs for a second sub-chunk run on garbage too
+            for reverse, chunk in ((False, 16), (True, 16), (False, 32), (True, 32)):
+                static = chk._Static(scale=0.5, chunk_size=chunk, reverse=reverse, config=chk.ChunkedConfig())
                 for a in (-jnp.abs(q[..., 0]), -jnp.abs(q)):  # a scalar gate, a per-key gate
                     # (with gk: the decayed q, k and Gamma the backward takes; else stand-ins)
                     o, state, A, *decayed = chk._forward_launch(static, q, q, q, a, None, cu)
