@@ -99,21 +99,26 @@ def versions() -> dict[str, str]:
 
 def commit() -> str | None:
     """The commit the measured tree was taken from: ``$EJK_COMMIT``, else
-    ``bench/results/.commit`` (``python bench/gpu_check.py prepare``; the GPU machine's copy has
-    no git), else ``git rev-parse HEAD``. Where git answers and ``.commit`` names another commit,
-    ``.commit`` is stale (prepare was not run since): HEAD, said on stderr."""
+    ``bench/results/.commit`` (``python bench/gpu_check.py prepare``), else ``git rev-parse
+    HEAD``. ``.commit`` is stale where git knows the commit it names and HEAD is another (prepare
+    was not run since): then HEAD, said on stderr. A git that does not know it is older than the
+    tree (the GPU machine's copy may hold the ``.git`` of an earlier call): then ``.commit``."""
     if os.environ.get("EJK_COMMIT"):
         return os.environ["EJK_COMMIT"]
     root = Path(__file__).resolve().parent.parent
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except Exception:  # noqa: BLE001 (no git where the benchmark runs)
-        head = None
+
+    def git(*args):
+        try:
+            return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True,
+                                  check=True).stdout.strip()
+        except Exception:  # noqa: BLE001 (no git, or it does not know the commit)
+            return None
+
+    head = git("rev-parse", "HEAD")
     recorded = root / "bench" / "results" / ".commit"
     if recorded.exists():
         named = json.loads(recorded.read_text()).get("commit")
-        if head is None or named == head:
+        if head is None or named == head or git("cat-file", "-e", f"{named}^{{commit}}") is None:
             return named
         print(f"bench/results/.commit names {named}, HEAD is {head}: stale, recording HEAD",
               file=sys.stderr)
