@@ -191,19 +191,22 @@ class ChunkedConfig:
 
     ``float32_dot`` (Triton's ``input_precision`` for float32 operands): ``"tf32x3"``, three TF32
     tensor-core products that keep float32 accuracy, or ``"ieee"``, plain FMAs. Products of
-    16-bit inputs use the tensor cores in their own dtype with float32 accumulation; the
-    per-key-gate intra-chunk products, whose operands are decayed in float32, use TF32 then.
+    16-bit inputs use the tensor cores in their own dtype with float32 accumulation (the
+    per-key-gate intra-chunk products' operands, decayed in float32, are rounded to it first).
     """
 
     states: KernelConfig = KernelConfig(block_v=32, num_stages=3)
-    # Measured (H100, bf16, B4 T4096 H16 K=V=128, bench/_probe_chunked_gk.py at 5e1bd92 and, for
-    # the unrolling, c96caac; per-kernel medians; probes, not recorded): _gk_attention_kernel
-    # 0.48 ms at BK32 4 warps (BK16 0.55, 8 warps 0.89-1.13); _gk_diagonal_kernel 0.42 ms at
-    # BK64 unrolled 1 (by 4 0.60, BK32 by 8 0.59, BK128 by 4 0.74); the walk in
-    # _intra_grads_kernel 1.38 ms at 1, 1.25 at 2, 1.10 at 4, 1.21 at 8. (Before the diagonal
-    # blocks had their own kernel, the one forward kernel that built all of A took 1.24 ms.)
-    attention: KernelConfig = KernelConfig(block_k=32)
-    diagonal: KernelConfig = KernelConfig()
+    # Measured (H100, bf16, B4 T4096 H16 K=V=128, per-kernel medians over one trace; probes,
+    # not recorded): with the products between sub-chunks on operands in the input dtype
+    # (.scratch probe of 41f5d0e's tree), _gk_attention_kernel 0.43 ms at BK64 4 warps (BK32
+    # 0.46, BK16 0.53, BK64 8 warps 0.68; 0.48 at BK32 with float32 operands);
+    # _gk_diagonal_kernel 0.28 ms at BK128 one warp (2 warps 0.32; BK64: one warp 0.37, 2
+    # warps 0.43, 4 warps 0.42, one warp unrolled by 2 0.44; BK128 4 warps 0.42, 8 warps
+    # 0.56). Earlier (bench/_probe_chunked_gk.py at c96caac): the walk in _intra_grads_kernel
+    # 1.38 ms at unroll 1, 1.25 at 2, 1.10 at 4, 1.21 at 8; BK16 or BK64 instead of BK32 (at
+    # 41f5d0e's tree) took 0.94 / 0.34 ms more forward + backward.
+    attention: KernelConfig = KernelConfig()
+    diagonal: KernelConfig = KernelConfig(block_k=128, num_warps=1)
     output: KernelConfig = KernelConfig()
     state_grads: KernelConfig = KernelConfig(block_v=32, num_stages=3)
     dA: KernelConfig = KernelConfig()
@@ -520,6 +523,7 @@ def _gk_attention_kernel(
     valid1 = valid1 & (local < BC - 1)  # the next row, within the sub-chunk
 
     b_off = tl.zeros([BT, BT], dtype=tl.float32)  # blocks of earlier sub-chunks
+    dtype = q.dtype.element_ty
     for i_k in range(0, tl.cdiv(K, BK)):
         offs_k = i_k * BK + tl.arange(0, BK)
         mask_k = offs_k < K
@@ -547,8 +551,9 @@ def _gk_attention_kernel(
                 passed = tl.sum(tl.where((sub == i_ci - 1)[:, None], b_a, 0.0), axis=0)
                 after = tl.where((sub < i_ci - 1)[:, None], after + passed[None, :], after)
                 before = tl.where((sub >= i_ci)[:, None], before + passed[None, :], before)
-                b_kg = tl.where((sub < i_ci)[:, None], b_k * tl.exp(after), 0.0)
-                b_qi = tl.where((sub == i_ci)[:, None], b_qg, 0.0)  # I's rows only
+                # Operands rounded to the input dtype, as the states' and the output's are.
+                b_kg = tl.where((sub < i_ci)[:, None], b_k * tl.exp(after), 0.0).to(dtype)
+                b_qi = tl.where((sub == i_ci)[:, None], b_qg, 0.0).to(dtype)  # I's rows only
                 b_off = tl.dot(b_qi, tl.trans(b_kg), acc=b_off, input_precision=F32_DOT)
             passed = tl.sum(tl.where((sub == NC - 1)[:, None], b_a, 0.0), axis=0)
             after = tl.where((sub < NC - 1)[:, None], after + passed[None, :], after)
@@ -832,12 +837,14 @@ def _intra_grads_kernel(
         # As queries, keys in earlier sub-chunks, through the boundary at I's start (see
         # _gk_attention_kernel): dq~_i = exp(G_i - G_b) sum_J dA_iJ (k_J exp(G_b - G_J)).
         b_dq_off = tl.zeros([BT, BK], dtype=tl.float32)
+        dtype = q.dtype.element_ty
         keys = after
         for i_ci in tl.static_range(1, NC):
             passed = tl.sum(tl.where((sub == i_ci - 1)[:, None], b_a, 0.0), axis=0)
             keys = tl.where((sub < i_ci - 1)[:, None], keys + passed[None, :], keys)
-            b_kg = tl.where((sub < i_ci)[:, None], b_k * tl.exp(keys), 0.0)
-            da_i = tl.where((sub == i_ci)[:, None], b_da, 0.0)  # I's rows (earlier columns: b_kg)
+            b_kg = tl.where((sub < i_ci)[:, None], b_k * tl.exp(keys), 0.0).to(dtype)
+            # I's rows (earlier columns: b_kg); operands in the input dtype, as the forward's
+            da_i = tl.where((sub == i_ci)[:, None], b_da, 0.0).to(dtype)
             b_dq_off = tl.dot(da_i, b_kg, acc=b_dq_off, input_precision=F32_DOT)
         b_dq += b_dq_off * tl.exp(from_sub)
         # As keys, queries in later sub-chunks, through the boundary e at J's end:
@@ -849,8 +856,8 @@ def _intra_grads_kernel(
             i_cj = NC - 1 - n  # J, from the last but one back to the first
             passed = tl.sum(tl.where((sub == i_cj + 1)[:, None], b_a, 0.0), axis=0)
             queries = tl.where((sub > i_cj + 1)[:, None], queries + passed[None, :], queries)
-            b_qg = tl.where((sub > i_cj)[:, None], b_q * tl.exp(queries), 0.0)
-            da_j = tl.where((sub == i_cj)[None, :], b_da, 0.0)  # J's columns (later rows: b_qg)
+            b_qg = tl.where((sub > i_cj)[:, None], b_q * tl.exp(queries), 0.0).to(dtype)
+            da_j = tl.where((sub == i_cj)[None, :], b_da, 0.0).to(dtype)  # J's columns (rows: b_qg)
             b_dk_off = tl.dot(tl.trans(da_j), b_qg, acc=b_dk_off, input_precision=F32_DOT)
         b_dk += b_dk_off * tl.exp(after)
 
@@ -1140,7 +1147,11 @@ def _backward_launch(static, query, key, value, a, h0, cu_seqlens, A, d_o, d_fin
     common = dict(H=num_heads, K=key_dim, BT=bt, REVERSE=static.reverse, IS_VARLEN=flags["IS_VARLEN"],
                   F32_DOT=precision)
     gated = dict(USE_G=use_g)
-    per_token = lambda size: jax.ShapeDtypeStruct((batch, seq_len, num_heads, size), f32)  # noqa: E731
+    per_token = lambda size, dtype=f32: jax.ShapeDtypeStruct((batch, seq_len, num_heads, size), dtype)  # noqa: E731
+    # dq, and dk and dv when no query heads share a key/value head, are final where the kernels
+    # write them: in the inputs' dtype, which saves a conversion each. Shared heads' dk and dv
+    # are summed over the group in float32 first.
+    grads_dtype = query.dtype if num_kv_heads == num_heads else f32
     state_dtype = _state_dtype(query.dtype)
     a_ = _or_stand_in(a)
     num_seqs = batch * per_row
@@ -1197,7 +1208,7 @@ def _backward_launch(static, query, key, value, a, h0, cu_seqlens, A, d_o, d_fin
     dv = triton_call(
         k_decayed if use_gk else key, a_, d_o, A, dstates, cu, chunk_indices, seq_len, slots, per_row,
         kernel=_dv_kernel,
-        out_shape=per_token(value_dim),
+        out_shape=per_token(value_dim, grads_dtype),
         grid=(cdiv(value_dim, block_v), slots, batch * num_heads),
         num_warps=cfg.dv.num_warps, num_stages=cfg.dv.num_stages,
         H_KV=num_kv_heads, V=value_dim, BK=block_k, BV=block_v, DECAYED=use_gk, **gated, **common,
@@ -1216,7 +1227,8 @@ def _backward_launch(static, query, key, value, a, h0, cu_seqlens, A, d_o, d_fin
         dg_intra if use_gk else jnp.zeros((1,), f32), cu, chunk_indices, seq_len, slots, per_row,
         batch * seq_len,
         kernel=_inter_grads_kernel,
-        out_shape=[per_token(key_dim), per_token(key_dim), jax.ShapeDtypeStruct(dg_shape, f32)],
+        out_shape=[per_token(key_dim, query.dtype), per_token(key_dim, grads_dtype),
+                   jax.ShapeDtypeStruct(dg_shape, f32)],
         grid=(num_k_tiles, slots, batch * num_heads),
         num_warps=cfg.inter_grads.num_warps, num_stages=cfg.inter_grads.num_stages,
         H_KV=num_kv_heads, V=value_dim, SCALE=static.scale, BK=block_k, BV=block_v, USE_GK=use_gk, **gated,
