@@ -230,7 +230,7 @@ def kept_rows(out: str, run_names: set[str], this_commit: str | None, quick: boo
     commit and the same device."""
     path = Path(out) / f"{OP}.json"
     if not path.exists():
-        return [], {}, [], []
+        return [], {}, [], [], {}
     old = json.loads(path.read_text())
     if (old.get("commit"), old.get("quick"), old.get("device")) != (this_commit, quick,
                                                                      device_name()):

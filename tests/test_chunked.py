@@ -197,7 +197,8 @@ def test_several_tiles_and_sub_chunks(rng, packed):
     """Tiles narrower than K and V (three of each) and 32-token sub-chunks in 64-token chunks,
     their walks unrolled by two."""
     tiles = KernelConfig(block_k=16, block_v=16, num_warps=2, num_stages=1, unroll=2)
-    every_kernel = [f.name for f in dataclasses.fields(ChunkedConfig) if f.type in (KernelConfig, "KernelConfig")]
+    every_kernel = [f.name for f in dataclasses.fields(ChunkedConfig)
+                    if f.type in (KernelConfig, "KernelConfig")]
     assert len(every_kernel) == 9, every_kernel
     config = ChunkedConfig(**dict.fromkeys(every_kernel, tiles), sub_chunk=32, float32_dot="ieee")
     options = dict(chunk_size=64, config=config)
