@@ -252,6 +252,22 @@ class _Static:
 # accuracy (2e-6 against the 8e-8 of the token-by-token walk) at log-gates of -15 per token.
 # ----------------------------------------------------------------------------------------------
 
+# A log-decay at or below this is a decay of exactly 0 in float32 (exp underflows below about
+# -104), and so is every span that contains it: clamping to it changes no result. It keeps -inf
+# (a gate that forgets everything) out of the sums, where a sum that met it is -inf and the
+# masks and products around it (0 * -inf) would make NaN; the gradient of a clamped gate is 0,
+# as exp's is (_chunked_bwd). The kernels clamp as they load, so a lone ``gk`` reaches them in
+# its own dtype with no pass over it first (H100, bf16, B4 T4096 H16 K=V=128: that pass, a
+# conversion to float32 and the clamp in XLA, took 0.066 ms of the forward's 1.03).
+_LOG_DECAY_FLOOR = tl.constexpr(-1e4)
+
+
+@triton.jit
+def _log_decay(x):
+    """Log-decays as loaded (any float dtype), in float32 and clamped to the floor."""
+    return tl.maximum(x.to(tl.float32), _LOG_DECAY_FLOOR)
+
+
 
 @triton.jit
 def _chunk_of_program(cu_seqlens, chunk_indices, i_t, T, num_seqs, IS_VARLEN: tl.constexpr):
@@ -322,8 +338,8 @@ def _last_row(i_c, start, end, BT: tl.constexpr, REVERSE: tl.constexpr):
 def _load_gates(a, tok, valid, i_h, offs_k, mask_k, H: tl.constexpr, K: tl.constexpr):
     """Per-key log-decays of rows ``tok``, ``[rows, BK]`` fp32, 0 outside the sequence (no
     decay: the sums below then cover exactly the tokens inside)."""
-    return tl.load(a + (tok[:, None] * H + i_h) * K + offs_k[None, :],
-                   mask=valid[:, None] & mask_k[None, :], other=0.0)
+    return _log_decay(tl.load(a + (tok[:, None] * H + i_h) * K + offs_k[None, :],
+                              mask=valid[:, None] & mask_k[None, :], other=0.0))
 
 
 @triton.jit
@@ -349,8 +365,8 @@ def _chunk_decays(a, r, i_c, start, end, row_base, i_h, offs_k, mask_k, H: tl.co
         from_start, to_end = tl.cumsum(b_a, axis=0), tl.cumsum(b_a1, axis=0, reverse=True)
         total = tl.sum(b_a, axis=0)
     else:
-        b_a = tl.load(a + (tok * H + i_h), mask=valid, other=0.0)
-        b_a1 = tl.load(a + (tok1 * H + i_h), mask=valid1, other=0.0)
+        b_a = _log_decay(tl.load(a + (tok * H + i_h), mask=valid, other=0.0))
+        b_a1 = _log_decay(tl.load(a + (tok1 * H + i_h), mask=valid1, other=0.0))
         along_k = tl.zeros_like(offs_k).to(tl.float32)
         from_start = tl.cumsum(b_a, axis=0)[:, None] + along_k[None, :]
         to_end = tl.cumsum(b_a1, axis=0, reverse=True)[:, None] + along_k[None, :]
@@ -487,7 +503,7 @@ def _attention_kernel(
         b_k = _load_rows(k + i_kv * K, tok, valid, offs_k, mask_k, H_KV * K)
         b_a += tl.dot(b_q, tl.trans(b_k.to(b_q.dtype)), input_precision=F32_DOT)
     if USE_G:
-        b_a *= _decay_matrix(tl.load(a + tok * H + i_h, mask=valid, other=0.0))
+        b_a *= _decay_matrix(_log_decay(tl.load(a + tok * H + i_h, mask=valid, other=0.0)))
     else:
         b_a = tl.where(r[:, None] >= r[None, :], b_a, 0.0)
     tl.store(A + (tok[:, None] * H + i_h) * BT + r[None, :], b_a * SCALE, mask=valid[:, None])
@@ -605,8 +621,8 @@ def _gk_diagonal_kernel(
             for u in tl.static_range(UNROLL):
                 j = BC - 1 - (j0 + u)
                 tok_n, valid_n = _rows(i_s * BC + j + 1, i_c, start, end, row_base, BT, REVERSE)
-                a_next = tl.load(a + (tok_n * H + i_h) * K + offs_k,
-                                 mask=mask_k & valid_n & (j + 1 < BC), other=0.0)
+                a_next = _log_decay(tl.load(a + (tok_n * H + i_h) * K + offs_k,
+                                            mask=mask_k & valid_n & (j + 1 < BC), other=0.0))
                 decay = _decay_step(decay, a_next[None, :], (c > j)[:, None])
                 tok_j, valid_j = _rows(i_s * BC + j, i_c, start, end, row_base, BT, REVERSE)
                 k_j = tl.load(k + (tok_j * H_KV + i_kv) * K + offs_k, mask=mask_k & valid_j,
@@ -798,8 +814,8 @@ def _intra_grads_kernel(
     for j0 in range(0, BC, UNROLL):
         for u in tl.static_range(UNROLL):
             j = BC - 1 - (j0 + u)
-            a_next = _row_of_each(a + i_h * K, j + 1, i_c, start, end, row_base, offs_k, mask_k, H * K,
-                                  NC, BC, BT, REVERSE)
+            a_next = _log_decay(_row_of_each(a + i_h * K, j + 1, i_c, start, end, row_base, offs_k, mask_k,
+                                             H * K, NC, BC, BT, REVERSE))
             decay = _decay_step(decay, a_next, local3 > j)
             from_sub += tl.where(local3 > j, a_next, 0.0)
             run += a_next
@@ -816,8 +832,8 @@ def _intra_grads_kernel(
     for i0 in range(0, BC, UNROLL):
         for u in tl.static_range(UNROLL):
             i = i0 + u
-            a_i = _row_of_each(a + i_h * K, i, i_c, start, end, row_base, offs_k, mask_k, H * K,
-                               NC, BC, BT, REVERSE)
+            a_i = _log_decay(_row_of_each(a + i_h * K, i, i_c, start, end, row_base, offs_k, mask_k, H * K,
+                                          NC, BC, BT, REVERSE))
             decay = _decay_step(decay, a_i, local3 < i)
             q_i = _row_of_each(q + i_h * K, i, i_c, start, end, row_base, offs_k, mask_k, H * K,
                                NC, BC, BT, REVERSE) * SCALE
@@ -828,8 +844,8 @@ def _intra_grads_kernel(
             dk3 += da_i * q_i * decay
     b_dq = tl.reshape(dq3, (BT, BK))
     b_dk = tl.reshape(dk3, (BT, BK))
-    from_sub += _row_of_each(a + i_h * K, 0, i_c, start, end, row_base, offs_k, mask_k, H * K,
-                             NC, BC, BT, REVERSE)
+    from_sub += _log_decay(_row_of_each(a + i_h * K, 0, i_c, start, end, row_base, offs_k, mask_k, H * K,
+                                        NC, BC, BT, REVERSE))
     from_sub = tl.reshape(from_sub, (BT, BK))
     after = tl.reshape(after, (BT, BK))
 
@@ -985,7 +1001,7 @@ def _inter_grads_kernel(
         # M the decay matrix (scalar gate) or the causal mask (already applied to dA).
         b_da = _load_rows(dA + i_h * BT, tok, valid, r, r < BT, H * BT)
         if USE_G:
-            b_da *= _decay_matrix(tl.load(a + tok * H + i_h, mask=valid, other=0.0))
+            b_da *= _decay_matrix(_log_decay(tl.load(a + tok * H + i_h, mask=valid, other=0.0)))
             # This K tile's share of the scalar gate's state terms (summed over K tiles outside).
             tl.store(dg + (i_k * total_tokens + tok) * H + i_h, tl.sum(b_dg, axis=1), mask=valid)
         b_dq += tl.dot(b_da, b_k, input_precision=F32_DOT)
@@ -1331,7 +1347,8 @@ def _chunked_bwd(static, residuals, cotangents):
         if h0 is None:
             dh0 = None
 
-    da = dg_terms
+    # The kernels clamped a at the floor: there its gradient is 0 (and at -inf).
+    da = None if dg_terms is None else jnp.where(a >= _LOG_DECAY_FLOOR.value, dg_terms, 0)
 
     def grouped(x):  # a key/value head's gradient sums over the query heads it serves
         return x.reshape(batch, seq_len, num_kv_heads, group, x.shape[-1]).sum(3)
@@ -1351,22 +1368,18 @@ _chunked.defvjp(_chunked_fwd, _chunked_bwd, symbolic_zeros=True)
 # ----------------------------------------------------------------------------------------------
 
 
-# A log-decay at or below this is a decay of exactly 0 in float32 (exp underflows below about
-# -104), and so is every span that contains it: clamping to it changes no result. It keeps -inf
-# (a gate that forgets everything) out of the kernels, where a sum that met it is -inf and the
-# masks and products around it (0 * -inf) would make NaN; the gradient of a clamped gate is 0,
-# as exp's is.
-_LOG_DECAY_FLOOR = -1e4
-
-
 def _log_decays(g, g_gamma, gk, shape):
-    """a: the log-decay along K, ``a = g + g_gamma + gk`` in float32: ``[B, T, H]`` for scalar
-    gates, ``[B, T, H, K]`` with ``gk``; None without gates. Plain JAX: JAX differentiates it, so
-    the kernels' gradient with respect to a becomes the gates' gradients (sums)."""
+    """a: the log-decay along K, ``a = g + g_gamma + gk``: ``[B, T, H]`` for scalar gates,
+    ``[B, T, H, K]`` with ``gk``; None without gates. A lone ``gk`` as it is (the kernels read
+    any of their dtypes), a sum in float32. Plain JAX: JAX differentiates it, so the kernels'
+    gradient with respect to a becomes the gates' gradients (sums). Not clamped: the kernels
+    clamp as they load (_log_decay)."""
     batch, seq_len, num_heads, _ = shape
     f32 = jnp.float32
     if g is None and g_gamma is None and gk is None:
         return None
+    if g is None and g_gamma is None and jnp.dtype(gk.dtype) in map(jnp.dtype, _TRITON_DTYPES):
+        return gk
     a = jnp.zeros((batch, seq_len, num_heads), f32)  # the scalar part, g + g_gamma
     if g is not None:
         a = a + g.astype(f32)
@@ -1374,7 +1387,7 @@ def _log_decays(g, g_gamma, gk, shape):
         a = a + g_gamma.astype(f32)
     if gk is not None:
         a = gk.astype(f32) + a[..., None]
-    return jnp.maximum(a, _LOG_DECAY_FLOOR)
+    return a
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
