@@ -45,8 +45,8 @@ exponent here is the decay over a span of tokens *in walking order*, never posit
   rows keep 1 and are masked out).
 
 The chunk-level decays the states and the output need (``q exp(G)``, ``k exp(Gamma - G)``,
-``Gamma``) come out of the same sums, so with a per-key gate the forward's attention kernel writes
-them and the states and output kernels read no gates.
+``Gamma``) come out of the same sums, so the forward's attention kernel (either gate) writes them
+and the states and output kernels read no gates.
 
 **Accuracy.** ``G_i - G_j`` written as a difference of two cumulative sums carries the rounding
 error of ``|G|`` (a thousand, for strong decays) into an exponent that may be near 0: measured,
@@ -84,8 +84,8 @@ what is left can be smaller by ``exp(-40)``. So ``dq~`` and ``dk~`` leave out ev
 (``exp(Gamma) H + sum_{j < last} (k_j exp(Gamma - G_j))^T v_j``). What is summed then is only
 terms that genuinely depend on the gates. ``a``'s gradient is the transpose of the cumulative
 sum, the suffix sums of ``dG`` within each chunk (``chunk_local_cumsum`` the other way); JAX
-differentiates the sums that fold ``g``, ``g_gamma`` and ``gk`` into ``a``. With a per-key gate
-the forward keeps ``q exp(G)``, ``k exp(Gamma - G)`` (two arrays of ``q``'s size, in its dtype)
+differentiates the sums that fold ``g``, ``g_gamma`` and ``gk`` into ``a``. With a gate the
+forward keeps ``q exp(G)``, ``k exp(Gamma - G)`` (two arrays of ``q``'s size, in its dtype)
 and ``Gamma`` for the backward, whose states, ``D`` and ``dv`` then read no gates.
 
 **Layouts.** Chunks are counted from each sequence's first token. ``reverse=True`` walks each
@@ -103,7 +103,8 @@ kernel                grid                   computes
 _states_kernel        (V/BV, K/BK, N * H)    walks the chunks: H at every chunk's start, final
                                              state (forward; again in the backward)
 _attention_kernel     (NT, B * H)            A, the masked intra-chunk attention [BT, BT]
-                                             (scalar gate or none)
+                                             (scalar gate or none); with a gate q exp(G),
+                                             k exp(Gamma - G), Gamma, as the next
 _gk_attention_kernel  (NT, B * H)            the same with a per-key gate, but for the
                                              diagonal sub-chunk blocks; and q exp(G),
                                              k exp(Gamma - G), Gamma for the states and output
@@ -429,11 +430,11 @@ def _states_kernel(
     H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, HAS_H0: tl.constexpr,
-    REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr, F32_DOT: tl.constexpr, DECAYED: tl.constexpr,
+    REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr, F32_DOT: tl.constexpr,
 ):
     # One program: a [BK, BV] tile of one query head's state, carried in fp32 through the chunks
-    # of one sequence. Each step is one [BK, BT] x [BT, BV] product. DECAYED: k is already
-    # k exp(Gamma - G), per query head (_gk_attention_kernel's), and a holds Gamma per chunk slot.
+    # of one sequence. Each step is one [BK, BT] x [BT, BV] product. USE_G: k is already
+    # k exp(Gamma - G), per query head (the attention kernels'), and a holds Gamma per chunk slot.
     i_v, i_k, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_h = i_nh // H, i_nh % H
     i_kv = i_h // (H // H_KV)
@@ -459,17 +460,11 @@ def _states_kernel(
 
         tok, valid = _rows(r, i_c, start, end, row_base, BT, REVERSE)
         b_v = _load_rows(v + i_kv * V, tok, valid, offs_v, mask_v, H_KV * V)
-        if DECAYED:
+        if USE_G:
             b_k = _load_rows(k + i_h * K, tok, valid, offs_k, mask_k, H * K)
             h = h * tl.exp(tl.load(a + (slot * H + i_h) * K + offs_k, mask=mask_k, other=0.0))[:, None]
         else:
             b_k = _load_rows(k + i_kv * K, tok, valid, offs_k, mask_k, H_KV * K)
-        if USE_G and not DECAYED:
-            _, to_end, total = _chunk_decays(a, r, i_c, start, end, row_base, i_h, offs_k, mask_k, H, K, BT,
-                                             False, REVERSE)
-            # k_j exp(Gamma - G_j): the decay from token j to the chunk's end, <= 1.
-            b_k = (b_k * tl.exp(to_end)).to(k.dtype.element_ty)
-            h = h * tl.exp(total)[:, None]
         h += tl.dot(tl.trans(b_k), b_v, input_precision=F32_DOT)
 
     tl.store(ht + (i_n.to(tl.int64) * H + i_h) * K * V + state_tile, h, mask=mask_h)
@@ -477,14 +472,21 @@ def _states_kernel(
 
 @triton.jit
 def _attention_kernel(
-    q, k, a, cu_seqlens, chunk_indices, T, num_seqs,
-    A,  # output [B * T, H, BT] fp32: row = token, column = walking index of the key in its chunk
+    q, k, a, cu_seqlens, chunk_indices, T, NT_SLOTS, num_seqs,
+    # outputs: A [B * T, H, BT] fp32: row = token, column = walking index of the key in its
+    # chunk; with a gate (else 1-element stand-ins), as _gk_attention_kernel's: q exp(G) and
+    # k exp(Gamma - G) [B * T, H, K] in the query's dtype, Gamma [B * NT_SLOTS, H, K] fp32
+    A, qd, kd, gamma,
     H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, SCALE: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr,
     USE_G: tl.constexpr, REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr, F32_DOT: tl.constexpr,
 ):
     # Scalar gate or none. One program per chunk: one [BT, BK] x [BK, BT] product per K tile and
-    # the decay matrix applied after.
+    # the decay matrix applied after. With a gate it also writes the decayed q and k and Gamma,
+    # as _gk_attention_kernel does: the state walks then multiply precomputed rows instead of
+    # summing and exponentiating the gates at every step of their sequential loop (H100, bf16,
+    # B1 T32768 H8 K=V=64, 16 programs walking 512 chunks each: _states_kernel 0.78 -> 0.43 ms,
+    # the forward 0.92 -> 0.59).
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     i_kv = i_h // (H // H_KV)
@@ -494,6 +496,13 @@ def _attention_kernel(
     row_base = i_b.to(tl.int64) * T
     r = tl.arange(0, BT)
     tok, valid = _rows(r, i_c, start, end, row_base, BT, REVERSE)
+    if USE_G:  # the log-decays from the chunk's start to i, from j to its end, and over it all
+        b_g = _log_decay(tl.load(a + tok * H + i_h, mask=valid, other=0.0))
+        tok1, valid1 = _rows(r + 1, i_c, start, end, row_base, BT, REVERSE)
+        from_start = tl.cumsum(b_g, axis=0)
+        to_end = tl.cumsum(_log_decay(tl.load(a + tok1 * H + i_h, mask=valid1, other=0.0)), axis=0,
+                           reverse=True)
+        slot = i_b.to(tl.int64) * NT_SLOTS + i_t
 
     b_a = tl.zeros([BT, BT], dtype=tl.float32)
     for i_k in range(0, tl.cdiv(K, BK)):
@@ -502,8 +511,17 @@ def _attention_kernel(
         b_q = _load_rows(q + i_h * K, tok, valid, offs_k, mask_k, H * K)
         b_k = _load_rows(k + i_kv * K, tok, valid, offs_k, mask_k, H_KV * K)
         b_a += tl.dot(b_q, tl.trans(b_k.to(b_q.dtype)), input_precision=F32_DOT)
+        if USE_G:  # rounded to the input dtype, as the states and the output multiply them
+            out = (tok[:, None] * H + i_h) * K + offs_k[None, :]
+            out_mask = valid[:, None] & mask_k[None, :]
+            tl.store(qd + out, (b_q.to(tl.float32) * tl.exp(from_start)[:, None]).to(qd.dtype.element_ty),
+                     mask=out_mask)
+            tl.store(kd + out, (b_k.to(tl.float32) * tl.exp(to_end)[:, None]).to(kd.dtype.element_ty),
+                     mask=out_mask)
+            tl.store(gamma + (slot * H + i_h) * K + offs_k, tl.sum(b_g, axis=0) + tl.zeros([BK], tl.float32),
+                     mask=mask_k)
     if USE_G:
-        b_a *= _decay_matrix(_log_decay(tl.load(a + tok * H + i_h, mask=valid, other=0.0)))
+        b_a *= _decay_matrix(b_g)
     else:
         b_a = tl.where(r[:, None] >= r[None, :], b_a, 0.0)
     tl.store(A + (tok[:, None] * H + i_h) * BT + r[None, :], b_a * SCALE, mask=valid[:, None])
@@ -635,14 +653,14 @@ def _gk_diagonal_kernel(
 
 @triton.jit
 def _output_kernel(
-    q, v, a, states, A, cu_seqlens, chunk_indices, T, NT_SLOTS, num_seqs,
+    q, v, states, A, cu_seqlens, chunk_indices, T, NT_SLOTS, num_seqs,
     o,  # output [B * T, H, V] in the query's dtype
     H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, SCALE: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    USE_G: tl.constexpr, REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr,
-    F32_DOT: tl.constexpr,
+    REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr, F32_DOT: tl.constexpr,
 ):
-    # One program: a [BT, BV] tile of the output of one chunk: o = scale (q exp(G)) H + A v.
+    # One program: a [BT, BV] tile of the output of one chunk: o = scale (q exp(G)) H + A v,
+    # q already q exp(G) with a gate (the attention kernels').
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     i_kv = i_h // (H // H_KV)
@@ -662,10 +680,6 @@ def _output_kernel(
         offs_k = i_k * BK + tl.arange(0, BK)
         mask_k = offs_k < K
         b_q = _load_rows(q + i_h * K, tok, valid, offs_k, mask_k, H * K)
-        if USE_G:
-            from_start, _, _ = _chunk_decays(a, r, i_c, start, end, row_base, i_h, offs_k, mask_k, H, K, BT,
-                                             False, REVERSE)
-            b_q = (b_q * tl.exp(from_start)).to(q.dtype.element_ty)  # decay from the chunk's start, <= 1
         b_h = tl.load(h_base + offs_k[:, None] * V + offs_v[None, :], mask=mask_k[:, None] & mask_v[None, :],
                       other=0.0)
         b_o += tl.dot(b_q, b_h.to(b_q.dtype), input_precision=F32_DOT)
@@ -689,10 +703,10 @@ def _state_grads_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, SCALE: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr,
-    REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr, F32_DOT: tl.constexpr, DECAYED: tl.constexpr,
+    REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr, F32_DOT: tl.constexpr,
 ):
     # The walk of _states_kernel run backwards: dH = exp(Gamma) dH + (scale q exp(G))^T do.
-    # DECAYED: q is already q exp(G) and a holds Gamma per chunk slot (_gk_attention_kernel's).
+    # USE_G: q is already q exp(G) and a holds Gamma per chunk slot (the attention kernels').
     i_v, i_k, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_h = i_nh // H, i_nh % H
     i_b, start, end, first = _sequence_of_program(cu_seqlens, chunk_offsets, i_n, T, NT_SLOTS, num_seqs,
@@ -718,13 +732,8 @@ def _state_grads_kernel(
         tok, valid = _rows(r, i_c, start, end, row_base, BT, REVERSE)
         b_q = _load_rows(q + i_h * K, tok, valid, offs_k, mask_k, H * K)
         b_do = _load_rows(do + i_h * V, tok, valid, offs_v, mask_v, H * V)
-        if DECAYED:
+        if USE_G:
             dh = dh * tl.exp(tl.load(a + (slot * H + i_h) * K + offs_k, mask=mask_k, other=0.0))[:, None]
-        elif USE_G:
-            from_start, _, total = _chunk_decays(a, r, i_c, start, end, row_base, i_h, offs_k, mask_k, H, K, BT,
-                                                 False, REVERSE)
-            b_q = (b_q * tl.exp(from_start)).to(q.dtype.element_ty)
-            dh = dh * tl.exp(total)[:, None]
         dh += SCALE * tl.dot(tl.trans(b_q), b_do.to(b_q.dtype), input_precision=F32_DOT)
 
     if HAS_H0:
@@ -891,14 +900,15 @@ def _intra_grads_kernel(
 
 @triton.jit
 def _dv_kernel(
-    k, a, do, A, dstates, cu_seqlens, chunk_indices, T, NT_SLOTS, num_seqs,
+    k, do, A, dstates, cu_seqlens, chunk_indices, T, NT_SLOTS, num_seqs,
     dv,  # output [B * T, H, V] fp32, per query head
     H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr,
-    F32_DOT: tl.constexpr, DECAYED: tl.constexpr,
+    F32_DOT: tl.constexpr,
 ):
-    # dv = A^T do + (k exp(Gamma - G)) D. DECAYED: k is already k exp(Gamma - G), per query head.
+    # dv = A^T do + (k exp(Gamma - G)) D. USE_G: k is already k exp(Gamma - G), per query head
+    # (the attention kernels').
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     i_kv = i_h // (H // H_KV)
@@ -919,14 +929,10 @@ def _dv_kernel(
     for i_k in range(0, tl.cdiv(K, BK)):
         offs_k = i_k * BK + tl.arange(0, BK)
         mask_k = offs_k < K
-        if DECAYED:
+        if USE_G:
             b_k = _load_rows(k + i_h * K, tok, valid, offs_k, mask_k, H * K)
         else:
             b_k = _load_rows(k + i_kv * K, tok, valid, offs_k, mask_k, H_KV * K)
-        if USE_G and not DECAYED:
-            _, to_end, _ = _chunk_decays(a, r, i_c, start, end, row_base, i_h, offs_k, mask_k, H, K, BT, False,
-                                         REVERSE)
-            b_k = (b_k * tl.exp(to_end)).to(k.dtype.element_ty)
         b_d = tl.load(d_base + offs_k[:, None] * V + offs_v[None, :], mask=mask_k[:, None] & mask_v[None, :],
                       other=0.0)
         b_dv += tl.dot(b_k, b_d.to(b_k.dtype), input_precision=F32_DOT)
@@ -1059,17 +1065,16 @@ def _dot_precision(dtype, config: ChunkedConfig) -> str:
     return config.float32_dot if jnp.dtype(dtype) == jnp.float32 else "tf32"
 
 
-def _run_states(static, num_heads, k, v, a, h0, cu, chunk_offsets, per_row, slots, flags, state_dtype,
-                decayed=False):
-    """The states at every chunk's start and the final state. ``decayed``: ``k`` is
-    _gk_attention_kernel's decayed k (per query head) and ``a`` its Gamma."""
+def _run_states(static, num_heads, k, v, gamma, h0, cu, chunk_offsets, per_row, slots, flags, state_dtype):
+    """The states at every chunk's start and the final state. With a gate ``k`` is the attention
+    kernel's decayed k (per query head) and ``gamma`` its Gamma; without, ``gamma`` is None."""
     batch, seq_len, _, key_dim = k.shape
     num_kv_heads = v.shape[2]
     value_dim = v.shape[3]
     block_k, block_v = _fit(static.config.states, key_dim, value_dim)
     num_seqs = batch * per_row
     return triton_call(
-        k, v, _or_stand_in(a), _or_stand_in(h0), cu, chunk_offsets, seq_len, slots, per_row,
+        k, v, _or_stand_in(gamma), _or_stand_in(h0), cu, chunk_offsets, seq_len, slots, per_row,
         kernel=_states_kernel,
         out_shape=[jax.ShapeDtypeStruct((batch * slots, num_heads, key_dim, value_dim), state_dtype),
                    jax.ShapeDtypeStruct((num_seqs, num_heads, key_dim, value_dim), jnp.float32)],
@@ -1077,7 +1082,7 @@ def _run_states(static, num_heads, k, v, a, h0, cu, chunk_offsets, per_row, slot
         num_warps=static.config.states.num_warps, num_stages=static.config.states.num_stages,
         H=num_heads, H_KV=num_kv_heads, K=key_dim, V=value_dim, BT=static.chunk_size, BK=block_k, BV=block_v,
         USE_G=flags["USE_G"], HAS_H0=h0 is not None, REVERSE=static.reverse,
-        IS_VARLEN=flags["IS_VARLEN"], F32_DOT=_dot_precision(k.dtype, static.config), DECAYED=decayed,
+        IS_VARLEN=flags["IS_VARLEN"], F32_DOT=_dot_precision(k.dtype, static.config),
     )
 
 
@@ -1089,62 +1094,68 @@ def _state_dtype(dtype):
 
 def _forward_launch(static, query, key, value, a, h0, cu_seqlens):
     """The forward kernels: ``(o, final_state, A, q exp(G), k exp(Gamma - G), Gamma)``, the last
-    three (kept for the backward) only with a per-key gate, else 1-element stand-ins."""
+    three (kept for the backward) only with a gate, else 1-element stand-ins."""
     batch, seq_len, num_heads, key_dim = query.shape
     num_kv_heads, value_dim = key.shape[2], value.shape[3]
     per_row, slots, cu, chunk_indices, chunk_offsets, flags = _layout(query, a, cu_seqlens, static.chunk_size)
     cfg, bt = static.config, static.chunk_size
     precision = _dot_precision(query.dtype, cfg)
-    common = dict(H=num_heads, H_KV=num_kv_heads, K=key_dim, BT=bt, USE_G=flags["USE_G"],
-                  REVERSE=static.reverse, IS_VARLEN=flags["IS_VARLEN"], F32_DOT=precision)
 
     block_k, _ = _fit(cfg.attention, key_dim, value_dim)
     attention = dict(H=num_heads, H_KV=num_kv_heads, K=key_dim, SCALE=static.scale, BT=bt, BK=block_k,
                      REVERSE=static.reverse, IS_VARLEN=flags["IS_VARLEN"], F32_DOT=precision,
                      num_warps=cfg.attention.num_warps, num_stages=cfg.attention.num_stages)
     A_shape = jax.ShapeDtypeStruct((batch, seq_len, num_heads, bt), jnp.float32)
-    if flags["USE_GK"]:
+    if flags["USE_G"]:
         # A, and the decayed q and k and Gamma: the states and the output then take no gates.
         per_head = jax.ShapeDtypeStruct((batch, seq_len, num_heads, key_dim), query.dtype)
-        A, q_decayed, k_decayed, gamma = triton_call(
-            query, key, a, cu, chunk_indices, seq_len, slots, per_row,
-            kernel=_gk_attention_kernel,
-            out_shape=[A_shape, per_head, per_head,
-                       jax.ShapeDtypeStruct((batch * slots, num_heads, key_dim), jnp.float32)],
-            grid=(slots, batch * num_heads), BC=min(cfg.sub_chunk, bt), **attention,
-        )
-        sub = min(cfg.sub_chunk, bt)
-        block_k, _ = _fit(cfg.diagonal, key_dim, value_dim)
-        A = triton_call(
-            query, key, a, cu, chunk_indices, seq_len, per_row, A,
-            kernel=_gk_diagonal_kernel, out_shape=A_shape, grid=(slots * (bt // sub), batch * num_heads),
-            input_output_aliases={5: 0},
-            num_warps=cfg.diagonal.num_warps, num_stages=cfg.diagonal.num_stages,
-            H=num_heads, H_KV=num_kv_heads, K=key_dim, SCALE=static.scale, BT=bt, BC=sub, BK=block_k,
-            UNROLL=min(cfg.diagonal.unroll, sub), REVERSE=static.reverse, IS_VARLEN=flags["IS_VARLEN"],
-        )
+        decayed_shapes = [per_head, per_head,
+                          jax.ShapeDtypeStruct((batch * slots, num_heads, key_dim), jnp.float32)]
+        if flags["USE_GK"]:
+            A, q_decayed, k_decayed, gamma = triton_call(
+                query, key, a, cu, chunk_indices, seq_len, slots, per_row,
+                kernel=_gk_attention_kernel, out_shape=[A_shape, *decayed_shapes],
+                grid=(slots, batch * num_heads), BC=min(cfg.sub_chunk, bt), **attention,
+            )
+            sub = min(cfg.sub_chunk, bt)
+            block_k, _ = _fit(cfg.diagonal, key_dim, value_dim)
+            A = triton_call(
+                query, key, a, cu, chunk_indices, seq_len, per_row, A,
+                kernel=_gk_diagonal_kernel, out_shape=A_shape, grid=(slots * (bt // sub), batch * num_heads),
+                input_output_aliases={5: 0},
+                num_warps=cfg.diagonal.num_warps, num_stages=cfg.diagonal.num_stages,
+                H=num_heads, H_KV=num_kv_heads, K=key_dim, SCALE=static.scale, BT=bt, BC=sub, BK=block_k,
+                UNROLL=min(cfg.diagonal.unroll, sub), REVERSE=static.reverse, IS_VARLEN=flags["IS_VARLEN"],
+            )
+        else:
+            A, q_decayed, k_decayed, gamma = triton_call(
+                query, key, a, cu, chunk_indices, seq_len, slots, per_row,
+                kernel=_attention_kernel, out_shape=[A_shape, *decayed_shapes],
+                grid=(slots, batch * num_heads), USE_G=True, **attention,
+            )
         states, final_state = _run_states(static, num_heads, k_decayed, value, gamma, h0, cu, chunk_offsets,
-                                          per_row, slots, flags, _state_dtype(query.dtype), decayed=True)
+                                          per_row, slots, flags, _state_dtype(query.dtype))
         decayed = (q_decayed, k_decayed, gamma.reshape(batch, slots, num_heads, key_dim))
-        query, a = q_decayed, None
-        common.update(USE_G=False)
+        query = q_decayed
     else:
         decayed = (jnp.zeros((1,), query.dtype),) * 2 + (jnp.zeros((1,), jnp.float32),)
         states, final_state = _run_states(static, num_heads, key, value, a, h0, cu, chunk_offsets, per_row, slots,
                                           flags, _state_dtype(query.dtype))
-        A = triton_call(
-            query, key, _or_stand_in(a), cu, chunk_indices, seq_len, per_row,
-            kernel=_attention_kernel, out_shape=A_shape, grid=(slots, batch * num_heads),
-            USE_G=flags["USE_G"], **attention,
+        stand_in = jax.ShapeDtypeStruct((1,), jnp.float32)
+        A, *_ = triton_call(
+            query, key, _or_stand_in(a), cu, chunk_indices, seq_len, slots, per_row,
+            kernel=_attention_kernel, out_shape=[A_shape] + [stand_in] * 3, grid=(slots, batch * num_heads),
+            USE_G=False, **attention,
         )
     block_k, block_v = _fit(cfg.output, key_dim, value_dim)
     o = triton_call(
-        query, value, _or_stand_in(a), states, A, cu, chunk_indices, seq_len, slots, per_row,
+        query, value, states, A, cu, chunk_indices, seq_len, slots, per_row,
         kernel=_output_kernel,
         out_shape=jax.ShapeDtypeStruct((batch, seq_len, num_heads, value_dim), query.dtype),
         grid=(cdiv(value_dim, block_v), slots, batch * num_heads),
         num_warps=cfg.output.num_warps, num_stages=cfg.output.num_stages,
-        V=value_dim, SCALE=static.scale, BK=block_k, BV=block_v, **common,
+        H=num_heads, H_KV=num_kv_heads, K=key_dim, V=value_dim, SCALE=static.scale, BT=bt, BK=block_k,
+        BV=block_v, REVERSE=static.reverse, IS_VARLEN=flags["IS_VARLEN"], F32_DOT=precision,
     )
     return (o, final_state, A, *decayed)
 
@@ -1152,7 +1163,7 @@ def _forward_launch(static, query, key, value, a, h0, cu_seqlens):
 def _backward_launch(static, query, key, value, a, h0, cu_seqlens, A, d_o, d_final_state, q_decayed, k_decayed,
                      gamma):
     """The backward kernels: ``(dq, dk, dv, dg_terms, d initial_state)``, dk and dv per query head.
-    With a per-key gate the states, D and dv take the forward's decayed q and k and Gamma."""
+    With a gate the states, D and dv take the forward's decayed q and k and Gamma."""
     batch, seq_len, num_heads, key_dim = query.shape
     num_kv_heads, value_dim = key.shape[2], value.shape[3]
     per_row, slots, cu, chunk_indices, chunk_offsets, flags = _layout(query, a, cu_seqlens, static.chunk_size)
@@ -1173,15 +1184,15 @@ def _backward_launch(static, query, key, value, a, h0, cu_seqlens, A, d_o, d_fin
     num_seqs = batch * per_row
 
     # The states again (cheaper to recompute than to keep), then D, walking the other way.
-    if use_gk:
+    if use_g:
         states, _ = _run_states(static, num_heads, k_decayed, value, gamma, h0, cu, chunk_offsets, per_row, slots,
-                                flags, state_dtype, decayed=True)
+                                flags, state_dtype)
     else:
         states, _ = _run_states(static, num_heads, key, value, a, h0, cu, chunk_offsets, per_row, slots, flags,
                                 state_dtype)
     block_k, block_v = _fit(cfg.state_grads, key_dim, value_dim)
     dstates, dh0 = triton_call(
-        q_decayed if use_gk else query, d_o, gamma if use_gk else a_, _or_stand_in(d_final_state), cu,
+        q_decayed if use_g else query, d_o, gamma if use_g else a_, _or_stand_in(d_final_state), cu,
         chunk_offsets, seq_len, slots, per_row,
         kernel=_state_grads_kernel,
         out_shape=[jax.ShapeDtypeStruct((batch * slots, num_heads, key_dim, value_dim), state_dtype),
@@ -1190,7 +1201,7 @@ def _backward_launch(static, query, key, value, a, h0, cu_seqlens, A, d_o, d_fin
         grid=(cdiv(value_dim, block_v), cdiv(key_dim, block_k), num_seqs * num_heads),
         num_warps=cfg.state_grads.num_warps, num_stages=cfg.state_grads.num_stages,
         V=value_dim, SCALE=static.scale, BK=block_k, BV=block_v, HAS_DHT=d_final_state is not None,
-        HAS_H0=h0 is not None, DECAYED=use_gk, **gated, **common,
+        HAS_H0=h0 is not None, **gated, **common,
     )
 
     scalar_gate = use_g and not use_gk
@@ -1222,12 +1233,12 @@ def _backward_launch(static, query, key, value, a, h0, cu_seqlens, A, d_o, d_fin
 
     block_k, block_v = _fit(cfg.dv, key_dim, value_dim)
     dv = triton_call(
-        k_decayed if use_gk else key, a_, d_o, A, dstates, cu, chunk_indices, seq_len, slots, per_row,
+        k_decayed if use_g else key, d_o, A, dstates, cu, chunk_indices, seq_len, slots, per_row,
         kernel=_dv_kernel,
         out_shape=per_token(value_dim, grads_dtype),
         grid=(cdiv(value_dim, block_v), slots, batch * num_heads),
         num_warps=cfg.dv.num_warps, num_stages=cfg.dv.num_stages,
-        H_KV=num_kv_heads, V=value_dim, BK=block_k, BV=block_v, DECAYED=use_gk, **gated, **common,
+        H_KV=num_kv_heads, V=value_dim, BK=block_k, BV=block_v, **gated, **common,
     )
 
     block_k, block_v = _fit(cfg.inter_grads, key_dim, value_dim)
@@ -1284,15 +1295,15 @@ def _forward(static, query, key, value, a, h0, cu_seqlens):
         state = jnp.zeros((num_seqs, num_heads, key_dim, value_dim), jnp.float32) if h0 is None else h0
         A = jnp.zeros((batch, seq_len, num_heads, static.chunk_size), jnp.float32)
         return o, state.astype(jnp.float32), A, None
-    use_gk = a is not None and a.ndim == 4
+    use_g = a is not None
     launch = vmap_by_folding(functools.partial(_forward_launch, static), in_axes=_FWD_IN_AXES,
-                             out_axes=(0, 0, 0) + (0 if use_gk else None,) * 3)
+                             out_axes=(0, 0, 0) + (0 if use_g else None,) * 3)
     o, final_state, A, *decayed = launch(query, key, value, a, h0, cu_seqlens)
     valid = _valid_tokens(cu_seqlens, seq_len)
     if valid is not None:
         o = jnp.where(valid, o, 0).astype(o.dtype)
-    # With a per-key gate: q exp(G), k exp(Gamma - G) and Gamma, for the backward.
-    return o, final_state, A, tuple(decayed) if use_gk else None
+    # With a gate: q exp(G), k exp(Gamma - G) and Gamma, for the backward.
+    return o, final_state, A, tuple(decayed) if use_g else None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
