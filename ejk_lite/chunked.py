@@ -196,9 +196,18 @@ class ChunkedConfig:
     per-key-gate intra-chunk products' operands, decayed in float32, are rounded to it first).
     """
 
+    # The state walks: few programs walk many chunks at long sequences (B1 T32768 H8 K=V=64:
+    # 16 programs, 512 chunks each), so their loads are pipelined (3 stages) over narrower
+    # tiles. Measured (H100, bf16, per-kernel medians over one trace; bench/_probe_chunked_gk.py,
+    # not recorded), per-key gate at that shape: _states_kernel 1.22 -> 0.84 ms and
+    # _state_grads_kernel 0.56 -> 0.41 from BV64 2 stages (before the walks took decayed rows);
+    # now BV16 would take 0.43 -> 0.40 there but 0.11 -> 0.155 at B4 T4096 H16 K=V=128.
     states: KernelConfig = KernelConfig(block_v=32, num_stages=3)
     # Measured (H100, bf16, B4 T4096 H16 K=V=128, per-kernel medians over one trace; probes,
-    # not recorded): with the products between sub-chunks on operands in the input dtype
+    # not recorded): _gk_attention_kernel 0.40 ms at BK64 4 warps (at this tree: BK32 4 warps
+    # with one stage 0.42, BK32 2 warps 0.44, BK16 2 warps 0.43, BK64 2 warps 0.69, BK16 one
+    # warp 0.71; a program per pair of sub-chunks instead, branch gk-att-pair, 0.53 at best).
+    # Earlier, with the products between sub-chunks on operands in the input dtype
     # (.scratch probe of 41f5d0e's tree), _gk_attention_kernel 0.43 ms at BK64 4 warps (BK32
     # 0.46, BK16 0.53, BK64 8 warps 0.68; 0.48 at BK32 with float32 operands);
     # _gk_diagonal_kernel 0.28 ms at BK128 one warp (2 warps 0.32; BK64: one warp 0.37, 2
@@ -473,8 +482,8 @@ def _states_kernel(
 @triton.jit
 def _attention_kernel(
     q, k, a, cu_seqlens, chunk_indices, T, NT_SLOTS, num_seqs,
-    # outputs: A [B * T, H, BT] fp32: row = token, column = walking index of the key in its
-    # chunk; with a gate (else 1-element stand-ins), as _gk_attention_kernel's: q exp(G) and
+    # outputs: A [B * T, H, BT] (_scores_dtype): row = token, column = walking index of the key
+    # in its chunk; with a gate (else 1-element stand-ins), as _gk_attention_kernel's: q exp(G) and
     # k exp(Gamma - G) [B * T, H, K] in the query's dtype, Gamma [B * NT_SLOTS, H, K] fp32
     A, qd, kd, gamma,
     H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, SCALE: tl.constexpr,
@@ -524,13 +533,14 @@ def _attention_kernel(
         b_a *= _decay_matrix(b_g)
     else:
         b_a = tl.where(r[:, None] >= r[None, :], b_a, 0.0)
-    tl.store(A + (tok[:, None] * H + i_h) * BT + r[None, :], b_a * SCALE, mask=valid[:, None])
+    tl.store(A + (tok[:, None] * H + i_h) * BT + r[None, :], (b_a * SCALE).to(A.dtype.element_ty),
+             mask=valid[:, None])
 
 
 @triton.jit
 def _gk_attention_kernel(
     q, k, a, cu_seqlens, chunk_indices, T, NT_SLOTS, num_seqs,
-    # outputs: A [B * T, H, BT] fp32 as _attention_kernel's, but for its diagonal sub-chunk
+    # outputs: A [B * T, H, BT] as _attention_kernel's, but for its diagonal sub-chunk
     # blocks (_gk_diagonal_kernel's); q exp(G) and k exp(Gamma - G) [B * T, H, K] in the
     # query's dtype; Gamma [B * NT_SLOTS, H, K] fp32
     A, qd, kd, gamma,
@@ -601,7 +611,7 @@ def _gk_attention_kernel(
         tl.store(gamma + (slot * H + i_h) * K + offs_k, tl.sum(b_a, axis=0), mask=mask_k)
 
     # Later sub-chunks are zero (A is lower-triangular in walking order), as b_off holds them.
-    tl.store(A + (tok[:, None] * H + i_h) * BT + r[None, :], b_off * SCALE,
+    tl.store(A + (tok[:, None] * H + i_h) * BT + r[None, :], (b_off * SCALE).to(A.dtype.element_ty),
              mask=valid[:, None] & (sub[:, None] != sub[None, :]))
 
 
@@ -648,7 +658,7 @@ def _gk_diagonal_kernel(
                 b_d += tl.where(c[None, :] == j, tl.sum(b_q * k_j[None, :] * decay, axis=1)[:, None],
                                 0.0)
     tl.store(A + (tok[:, None] * H + i_h) * BT + i_s * BC + c[None, :],
-             tl.where(c[None, :] <= c[:, None], b_d, 0.0) * SCALE, mask=valid[:, None])
+             (tl.where(c[None, :] <= c[:, None], b_d, 0.0) * SCALE).to(A.dtype.element_ty), mask=valid[:, None])
 
 
 @triton.jit
@@ -1086,6 +1096,13 @@ def _run_states(static, num_heads, k, v, gamma, h0, cu, chunk_offsets, per_row, 
     )
 
 
+def _scores_dtype(dtype, a):
+    """The scores A are stored in the inputs' dtype where they only feed products (in which
+    they are rounded to it): halves their traffic, the same results. The scalar gate's
+    gradient reads them elementwise (_dA_kernel): float32 then."""
+    return jnp.float32 if a is not None and a.ndim == 3 else _state_dtype(dtype)
+
+
 def _state_dtype(dtype):
     """States between chunks are stored in the inputs' dtype (they feed 16-bit tensor-core
     products); the walk itself carries them in float32."""
@@ -1105,7 +1122,7 @@ def _forward_launch(static, query, key, value, a, h0, cu_seqlens):
     attention = dict(H=num_heads, H_KV=num_kv_heads, K=key_dim, SCALE=static.scale, BT=bt, BK=block_k,
                      REVERSE=static.reverse, IS_VARLEN=flags["IS_VARLEN"], F32_DOT=precision,
                      num_warps=cfg.attention.num_warps, num_stages=cfg.attention.num_stages)
-    A_shape = jax.ShapeDtypeStruct((batch, seq_len, num_heads, bt), jnp.float32)
+    A_shape = jax.ShapeDtypeStruct((batch, seq_len, num_heads, bt), _scores_dtype(query.dtype, a))
     if flags["USE_G"]:
         # A, and the decayed q and k and Gamma: the states and the output then take no gates.
         per_head = jax.ShapeDtypeStruct((batch, seq_len, num_heads, key_dim), query.dtype)
@@ -1293,7 +1310,7 @@ def _forward(static, query, key, value, a, h0, cu_seqlens):
     if _empty(query, value, cu_seqlens):  # nothing to walk: o = q h is 0, the state passes through
         o = jnp.zeros((batch, seq_len, num_heads, value_dim), query.dtype)
         state = jnp.zeros((num_seqs, num_heads, key_dim, value_dim), jnp.float32) if h0 is None else h0
-        A = jnp.zeros((batch, seq_len, num_heads, static.chunk_size), jnp.float32)
+        A = jnp.zeros((batch, seq_len, num_heads, static.chunk_size), _scores_dtype(query.dtype, a))
         return o, state.astype(jnp.float32), A, None
     use_g = a is not None
     launch = vmap_by_folding(functools.partial(_forward_launch, static), in_axes=_FWD_IN_AXES,
