@@ -200,8 +200,8 @@ class ChunkedConfig:
     # 16 programs, 512 chunks each), so their loads are pipelined (3 stages) over narrower
     # tiles. Measured (H100, bf16, per-kernel medians over one trace; bench/_probe_chunked_gk.py,
     # not recorded), per-key gate at that shape: _states_kernel 1.22 -> 0.84 ms and
-    # _state_grads_kernel 0.56 -> 0.41 from BV64 2 stages (before the walks took decayed rows);
-    # now BV16 would take 0.43 -> 0.40 there but 0.11 -> 0.155 at B4 T4096 H16 K=V=128.
+    # _state_grads_kernel 0.56 -> 0.41 from BV64 2 stages; at this tree BV16 would take
+    # 0.43 -> 0.40 there but 0.11 -> 0.155 at B4 T4096 H16 K=V=128.
     states: KernelConfig = KernelConfig(block_v=32, num_stages=3)
     # Measured (H100, bf16, B4 T4096 H16 K=V=128, per-kernel medians over one trace; probes,
     # not recorded): _gk_attention_kernel 0.40 ms at BK64 4 warps (at this tree: BK32 4 warps
