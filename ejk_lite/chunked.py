@@ -226,18 +226,24 @@ class ChunkedConfig:
     sub_chunk: int = 16
     float32_dot: str = "tf32x3"
 
+    @classmethod
+    def kernel_fields(cls) -> tuple[str, ...]:
+        """The names of the fields that hold a :class:`KernelConfig`, one per kernel."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.type in (KernelConfig, "KernelConfig"))
+
     def __post_init__(self):
-        for field in dataclasses.fields(self):
-            if field.type in (KernelConfig, "KernelConfig"):
-                value = getattr(self, field.name)
-                if not isinstance(value, KernelConfig):
-                    raise ValueError(f"ChunkedConfig.{field.name} must be a KernelConfig, got {value!r}")
+        for name in self.kernel_fields():
+            value = getattr(self, name)
+            if not isinstance(value, KernelConfig):
+                raise ValueError(f"ChunkedConfig.{name} must be a KernelConfig, got {value!r}")
         sub = self.sub_chunk
-        if isinstance(sub, (bool, np.bool_)) or not isinstance(sub, (int, np.integer)) or sub not in (16, 32, 64):
+        is_int = isinstance(sub, (int, np.integer)) and not isinstance(sub, (bool, np.bool_))
+        if not is_int or sub not in (16, 32, 64):
             raise ValueError(f"ChunkedConfig.sub_chunk must be 16, 32 or 64, got {sub!r}")
         object.__setattr__(self, "sub_chunk", int(sub))
         if self.float32_dot not in ("tf32x3", "ieee"):
-            raise ValueError(f"ChunkedConfig.float32_dot must be 'tf32x3' or 'ieee', got {self.float32_dot!r}")
+            raise ValueError(f"ChunkedConfig.float32_dot must be 'tf32x3' or 'ieee', got "
+                             f"{self.float32_dot!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -658,7 +664,8 @@ def _gk_diagonal_kernel(
                 b_d += tl.where(c[None, :] == j, tl.sum(b_q * k_j[None, :] * decay, axis=1)[:, None],
                                 0.0)
     tl.store(A + (tok[:, None] * H + i_h) * BT + i_s * BC + c[None, :],
-             (tl.where(c[None, :] <= c[:, None], b_d, 0.0) * SCALE).to(A.dtype.element_ty), mask=valid[:, None])
+             (tl.where(c[None, :] <= c[:, None], b_d, 0.0) * SCALE).to(A.dtype.element_ty),
+             mask=valid[:, None])
 
 
 @triton.jit
@@ -737,7 +744,8 @@ def _state_grads_kernel(
     for i in range(0, num_chunks):
         i_c = i if REVERSE else num_chunks - 1 - i
         slot = i_b.to(tl.int64) * NT_SLOTS + tl.minimum(first + i_c, NT_SLOTS - 1)
-        tl.store(dstates + (slot * H + i_h) * K * V + state_tile, dh.to(dstates.dtype.element_ty), mask=mask_h)
+        tl.store(dstates + (slot * H + i_h) * K * V + state_tile, dh.to(dstates.dtype.element_ty),
+                 mask=mask_h)
 
         tok, valid = _rows(r, i_c, start, end, row_base, BT, REVERSE)
         b_q = _load_rows(q + i_h * K, tok, valid, offs_k, mask_k, H * K)
@@ -1156,8 +1164,8 @@ def _forward_launch(static, query, key, value, a, h0, cu_seqlens):
         query = q_decayed
     else:
         decayed = (jnp.zeros((1,), query.dtype),) * 2 + (jnp.zeros((1,), jnp.float32),)
-        states, final_state = _run_states(static, num_heads, key, value, a, h0, cu, chunk_offsets, per_row, slots,
-                                          flags, _state_dtype(query.dtype))
+        states, final_state = _run_states(static, num_heads, key, value, None, h0, cu, chunk_offsets,
+                                          per_row, slots, flags, _state_dtype(query.dtype))
         stand_in = jax.ShapeDtypeStruct((1,), jnp.float32)
         A, *_ = triton_call(
             query, key, _or_stand_in(a), cu, chunk_indices, seq_len, slots, per_row,
@@ -1177,8 +1185,8 @@ def _forward_launch(static, query, key, value, a, h0, cu_seqlens):
     return (o, final_state, A, *decayed)
 
 
-def _backward_launch(static, query, key, value, a, h0, cu_seqlens, A, d_o, d_final_state, q_decayed, k_decayed,
-                     gamma):
+def _backward_launch(static, query, key, value, a, h0, cu_seqlens, A, d_o, d_final_state,
+                     q_decayed, k_decayed, gamma):
     """The backward kernels: ``(dq, dk, dv, dg_terms, d initial_state)``, dk and dv per query head.
     With a gate the states, D and dv take the forward's decayed q and k and Gamma."""
     batch, seq_len, num_heads, key_dim = query.shape
@@ -1191,7 +1199,10 @@ def _backward_launch(static, query, key, value, a, h0, cu_seqlens, A, d_o, d_fin
     common = dict(H=num_heads, K=key_dim, BT=bt, REVERSE=static.reverse, IS_VARLEN=flags["IS_VARLEN"],
                   F32_DOT=precision)
     gated = dict(USE_G=use_g)
-    per_token = lambda size, dtype=f32: jax.ShapeDtypeStruct((batch, seq_len, num_heads, size), dtype)  # noqa: E731
+
+    def per_token(size, dtype=f32):
+        return jax.ShapeDtypeStruct((batch, seq_len, num_heads, size), dtype)
+
     # dq, and dk and dv when no query heads share a key/value head, are final where the kernels
     # write them: in the inputs' dtype, which saves a conversion each. Shared heads' dk and dv
     # are summed over the group in float32 first.
@@ -1202,11 +1213,11 @@ def _backward_launch(static, query, key, value, a, h0, cu_seqlens, A, d_o, d_fin
 
     # The states again (cheaper to recompute than to keep), then D, walking the other way.
     if use_g:
-        states, _ = _run_states(static, num_heads, k_decayed, value, gamma, h0, cu, chunk_offsets, per_row, slots,
-                                flags, state_dtype)
+        states, _ = _run_states(static, num_heads, k_decayed, value, gamma, h0, cu, chunk_offsets, per_row,
+                                slots, flags, state_dtype)
     else:
-        states, _ = _run_states(static, num_heads, key, value, a, h0, cu, chunk_offsets, per_row, slots, flags,
-                                state_dtype)
+        states, _ = _run_states(static, num_heads, key, value, None, h0, cu, chunk_offsets, per_row, slots,
+                                flags, state_dtype)
     block_k, block_v = _fit(cfg.state_grads, key_dim, value_dim)
     dstates, dh0 = triton_call(
         q_decayed if use_g else query, d_o, gamma if use_g else a_, _or_stand_in(d_final_state), cu,
@@ -1226,7 +1237,8 @@ def _backward_launch(static, query, key, value, a, h0, cu_seqlens, A, d_o, d_fin
     dA, dg_intra = triton_call(
         value, d_o, A, cu, chunk_indices, seq_len, per_row,
         kernel=_dA_kernel,
-        out_shape=[per_token(bt), jax.ShapeDtypeStruct((batch, seq_len, num_heads) if scalar_gate else (1,), f32)],
+        out_shape=[per_token(bt),
+                   jax.ShapeDtypeStruct((batch, seq_len, num_heads) if scalar_gate else (1,), f32)],
         grid=(slots, batch * num_heads),
         num_warps=cfg.dA.num_warps, num_stages=cfg.dA.num_stages,
         H=num_heads, H_KV=num_kv_heads, V=value_dim, BT=bt, BV=block_v, SCALAR_GATE=scalar_gate,
@@ -1242,8 +1254,8 @@ def _backward_launch(static, query, key, value, a, h0, cu_seqlens, A, d_o, d_fin
             out_shape=[per_token(key_dim)] * 3,
             grid=(cdiv(key_dim, block_k), slots, batch * num_heads),
             num_warps=cfg.intra_grads.num_warps, num_stages=cfg.intra_grads.num_stages,
-            H_KV=num_kv_heads, SCALE=static.scale, BC=sub, BK=block_k, UNROLL=min(cfg.intra_grads.unroll, sub),
-            **common,
+            H_KV=num_kv_heads, SCALE=static.scale, BC=sub, BK=block_k,
+            UNROLL=min(cfg.intra_grads.unroll, sub), **common,
         )
     else:
         dq_intra = dk_intra = jnp.zeros((1,), f32)

@@ -1,7 +1,6 @@
 """ejk_lite.chunked_recurrent against a float64 reference and against ejk_lite.recurrent: outputs,
 final state and every gradient; packing, reverse, grouped heads, strong decay, chunk sizes."""
 
-import dataclasses
 import functools
 import importlib
 
@@ -197,8 +196,7 @@ def test_several_tiles_and_sub_chunks(rng, packed):
     """Tiles narrower than K and V (three of each) and 32-token sub-chunks in 64-token chunks,
     their walks unrolled by two."""
     tiles = KernelConfig(block_k=16, block_v=16, num_warps=2, num_stages=1, unroll=2)
-    every_kernel = [f.name for f in dataclasses.fields(ChunkedConfig)
-                    if f.type in (KernelConfig, "KernelConfig")]
+    every_kernel = ChunkedConfig.kernel_fields()
     assert len(every_kernel) == 9, every_kernel
     config = ChunkedConfig(**dict.fromkeys(every_kernel, tiles), sub_chunk=32, float32_dot="ieee")
     options = dict(chunk_size=64, config=config)
