@@ -280,9 +280,10 @@ _LOG_DECAY_FLOOR = tl.constexpr(-1e4)
 
 @triton.jit
 def _log_decay(x):
-    """Log-decays as loaded (any float dtype), in float32 and clamped to the floor."""
-    return tl.maximum(x.to(tl.float32), _LOG_DECAY_FLOOR)
-
+    """Log-decays as loaded (any float dtype), in float32 and clamped to the floor. A NaN stays
+    NaN, as in the reference: the default maximum (maxnum) returns the other operand on the GPU,
+    which would turn a NaN gate into one that silently forgets everything."""
+    return tl.maximum(x.to(tl.float32), _LOG_DECAY_FLOOR, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
@@ -1387,8 +1388,9 @@ def _chunked_bwd(static, residuals, cotangents):
         if h0 is None:
             dh0 = None
 
-    # The kernels clamped a at the floor: there its gradient is 0 (and at -inf).
-    da = None if dg_terms is None else jnp.where(a >= _LOG_DECAY_FLOOR.value, dg_terms, 0)
+    # The kernels clamped a at the floor: below it (and at -inf) its gradient is 0; a NaN's
+    # gradient is what the kernels made of it.
+    da = None if dg_terms is None else jnp.where(a < _LOG_DECAY_FLOOR.value, 0, dg_terms)
 
     def grouped(x):  # a key/value head's gradient sums over the query heads it serves
         return x.reshape(batch, seq_len, num_kv_heads, group, x.shape[-1]).sum(3)

@@ -144,29 +144,40 @@ def test_strong_decay(rng, gates, reverse):
 @pytest.mark.parametrize("gate", ["g", "gk"])
 def test_gate_that_forgets_everything(rng, gate):
     """A log-gate of -inf (exp = 0: the state is reset there): the float64 reference's output and
-    final state, and finite gradients of q, k and v equal to its (inside the kernels a product
-    with -inf would give NaN)."""
+    final state, and finite gradients of q, k, v and the gate equal to its (inside the kernels a
+    product with -inf would give NaN; the kernels clamp the gate, whose gradient is 0 there)."""
     inputs = make_inputs(rng, batch=1, seq_len=40, gates=(gate,), with_state=False)
     inputs[gate][0, [3, 20, 21]] = -np.inf
-    names = ("query", "key", "value")
+    names = ("query", "key", "value", gate)
 
-    def run(fn, arrays, gates, **options):
-        def loss(q, k, v):
-            o, state = fn(q, k, v, **gates, **options)
+    def run(fn, arrays, **options):
+        def loss(q, k, v, g):
+            o, state = fn(q, k, v, **{gate: g}, **options)
             return (o * 0.5).sum() + state.sum(), (o, state)
-        return jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(*arrays)
+        return jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(*arrays)
 
     arrays = [jnp.asarray(inputs[n], jnp.float32) for n in names]
-    grads, outs = run(chunked_recurrent, arrays, {gate: jnp.asarray(inputs[gate], jnp.float32)},
-                      chunk_size=16)
+    grads, outs = run(chunked_recurrent, arrays, chunk_size=16)
     with jax.enable_x64(True):
         arrays64 = [jnp.asarray(np.asarray(a, np.float64)) for a in arrays]
-        gates64 = {gate: jnp.asarray(np.asarray(jnp.asarray(inputs[gate], jnp.float32), np.float64))}
-        ref_grads, ref_outs = jax.tree.map(np.asarray, run(reference, arrays64, gates64))
+        ref_grads, ref_outs = jax.tree.map(np.asarray, run(reference, arrays64))
     tolerance = TOLERANCE["float32"]
     for what, got, want in zip(("output", "final state") + names, outs + grads, ref_outs + ref_grads):
         assert np.all(np.isfinite(np.asarray(got))), what
         assert rel_err(got, want) < tolerance, what
+
+
+@pytest.mark.parametrize("gate", ["g", "gk"])
+def test_nan_gate_is_not_a_reset(rng, gate):
+    """A NaN log-gate makes the outputs it reaches NaN, as the reference's: the kernels clamp
+    the gates at a floor, and a clamp that returned the floor for NaN (Triton's default maximum,
+    on the GPU; the CPU interpreter keeps NaN) would reset the state there instead, silently."""
+    inputs = make_inputs(rng, batch=1, seq_len=40, gates=(gate,), with_state=False)
+    inputs[gate][0, 5, 0] = np.nan  # head 0, token 5 (one key column of gk)
+    o, _ = chunked_recurrent(**{n: jnp.asarray(x, jnp.float32) for n, x in inputs.items()}, chunk_size=16)
+    o = np.asarray(o)
+    assert np.isnan(o[0, 5:, 0]).all(), "outputs at and after the NaN gate are not all NaN"
+    assert np.isfinite(o[0, :5, 0]).all() and np.isfinite(o[0, :, 1]).all()
 
 
 @pytest.mark.parametrize("chunk_size, seq_len", [(16, 50), (32, 70), (64, 100), (64, 21), (128, 150)])
@@ -225,9 +236,11 @@ def test_packed_sequences(rng, reverse, gates):
     check(rng, inputs, chunk_size=16, reverse=reverse, cu_seqlens=packing(lengths))
 
 
+@pytest.mark.parametrize("gates", [ALL_GATES, ("gk",)])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_half_precision(rng, dtype):
-    check(rng, make_inputs(rng, gates=ALL_GATES), dtype=dtype, chunk_size=16)
+def test_half_precision(rng, dtype, gates):
+    """A lone gk reaches the kernels in its own dtype; with other gates, as a float32 sum."""
+    check(rng, make_inputs(rng, gates=gates), dtype=dtype, chunk_size=16)
 
 
 def test_half_precision_packed_reverse(rng):
@@ -315,9 +328,11 @@ def test_jit_with_traced_cu_seqlens(rng):
     assert np.all(np.isfinite(np.asarray(o))) and np.all(np.isfinite(np.asarray(state)))
 
 
-def test_vmap_and_grad(rng):
-    """vmap over a leading axis (mapped g_gamma too), of the gradient as well, equals a loop."""
-    per_item = [{n: jnp.asarray(x, jnp.float32) for n, x in make_inputs(rng, seq_len=20, gates=ALL_GATES).items()}
+@pytest.mark.parametrize("gates", [ALL_GATES, ("g",)])
+def test_vmap_and_grad(rng, gates):
+    """vmap over a leading axis (mapped g_gamma too), of the gradient as well, equals a loop;
+    per-key and scalar gates (each keeps its own decayed rows for the backward)."""
+    per_item = [{n: jnp.asarray(x, jnp.float32) for n, x in make_inputs(rng, seq_len=20, gates=gates).items()}
                 for _ in range(2)]
     stacked = jax.tree.map(lambda *x: jnp.stack(x), *per_item)
 
