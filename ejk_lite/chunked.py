@@ -374,21 +374,33 @@ def _chunk_decays(a, r, i_c, start, end, row_base, i_h, offs_k, mask_k, H: tl.co
     these kernels, with Triton 3.6 on the H100. It compiles now, and it is faster: H100 probe,
     bf16, B4 T4096 H16 K=V=128, forward + backward, per-key gate 4.10 -> 4.01 ms, scalar gate
     1.66 -> 1.53; B1 T32768 H8 K=V=64: 3.72 -> 3.69 and 2.11 -> 2.02.)"""
-    tok, valid = _rows(r, i_c, start, end, row_base, BT, REVERSE)
-    tok1, valid1 = _rows(r + 1, i_c, start, end, row_base, BT, REVERSE)
     if USE_GK:
+        tok, valid = _rows(r, i_c, start, end, row_base, BT, REVERSE)
+        tok1, valid1 = _rows(r + 1, i_c, start, end, row_base, BT, REVERSE)
         b_a = _load_gates(a, tok, valid, i_h, offs_k, mask_k, H, K)
         b_a1 = _load_gates(a, tok1, valid1, i_h, offs_k, mask_k, H, K)
         from_start, to_end = tl.cumsum(b_a, axis=0), tl.cumsum(b_a1, axis=0, reverse=True)
         total = tl.sum(b_a, axis=0)
     else:
-        b_a = _log_decay(tl.load(a + (tok * H + i_h), mask=valid, other=0.0))
-        b_a1 = _log_decay(tl.load(a + (tok1 * H + i_h), mask=valid1, other=0.0))
+        b_a, from_start, to_end = _scalar_decays(a, r, i_c, start, end, row_base, i_h, H, BT, REVERSE)
         along_k = tl.zeros_like(offs_k).to(tl.float32)
-        from_start = tl.cumsum(b_a, axis=0)[:, None] + along_k[None, :]
-        to_end = tl.cumsum(b_a1, axis=0, reverse=True)[:, None] + along_k[None, :]
+        from_start = from_start[:, None] + along_k[None, :]
+        to_end = to_end[:, None] + along_k[None, :]
         total = tl.sum(b_a, axis=0) + along_k
     return from_start, to_end, total
+
+
+@triton.jit
+def _scalar_decays(a, r, i_c, start, end, row_base, i_h, H: tl.constexpr, BT: tl.constexpr,
+                   REVERSE: tl.constexpr):
+    """A scalar gate's log-decays of the chunk's rows ``r`` (``[BT]``, 0 outside the sequence),
+    and their direct sums from the chunk's start to each row (inclusive) and from each row to
+    the chunk's end (exclusive: the reverse cumulative sum of the rows shifted by one)."""
+    tok, valid = _rows(r, i_c, start, end, row_base, BT, REVERSE)
+    tok1, valid1 = _rows(r + 1, i_c, start, end, row_base, BT, REVERSE)
+    b_a = _log_decay(tl.load(a + tok * H + i_h, mask=valid, other=0.0))
+    b_a1 = _log_decay(tl.load(a + tok1 * H + i_h, mask=valid1, other=0.0))
+    return b_a, tl.cumsum(b_a, axis=0), tl.cumsum(b_a1, axis=0, reverse=True)
 
 
 @triton.jit
@@ -513,11 +525,7 @@ def _attention_kernel(
     r = tl.arange(0, BT)
     tok, valid = _rows(r, i_c, start, end, row_base, BT, REVERSE)
     if USE_G:  # the log-decays from the chunk's start to i, from j to its end, and over it all
-        b_g = _log_decay(tl.load(a + tok * H + i_h, mask=valid, other=0.0))
-        tok1, valid1 = _rows(r + 1, i_c, start, end, row_base, BT, REVERSE)
-        from_start = tl.cumsum(b_g, axis=0)
-        to_end = tl.cumsum(_log_decay(tl.load(a + tok1 * H + i_h, mask=valid1, other=0.0)), axis=0,
-                           reverse=True)
+        b_g, from_start, to_end = _scalar_decays(a, r, i_c, start, end, row_base, i_h, H, BT, REVERSE)
         slot = i_b.to(tl.int64) * NT_SLOTS + i_t
 
     b_a = tl.zeros([BT, BT], dtype=tl.float32)
@@ -1168,8 +1176,8 @@ def _forward_launch(static, query, key, value, a, h0, cu_seqlens):
         states, final_state = _run_states(static, num_heads, key, value, None, h0, cu, chunk_offsets,
                                           per_row, slots, flags, _state_dtype(query.dtype))
         stand_in = jax.ShapeDtypeStruct((1,), jnp.float32)
-        A, *_ = triton_call(
-            query, key, _or_stand_in(a), cu, chunk_indices, seq_len, slots, per_row,
+        A, *_ = triton_call(  # no gate: a is None, a stand-in takes its place
+            query, key, _or_stand_in(None), cu, chunk_indices, seq_len, slots, per_row,
             kernel=_attention_kernel, out_shape=[A_shape] + [stand_in] * 3, grid=(slots, batch * num_heads),
             USE_G=False, **attention,
         )
