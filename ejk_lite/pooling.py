@@ -28,21 +28,17 @@ memory bandwidth, and a good kernel is one that keeps enough loads in flight on 
   random lengths the longest one decides the time. So the token axis is cut into tiles of
   ``TILE_TOKENS`` tokens, whatever the sequences, and two kernels share the work:
 
-  1. ``mean_pool_pieces_kernel``, one program per (token tile, feature tile), walks the sequences
-     that overlap its tile and sums each one's rows there into a float32 row: the *pieces* of
-     the sequences that cross the tile's edges (at most two per tile), and the whole of those
-     that lie inside it;
-  2. ``mean_pool_finish_kernel``, one program per (sequence, feature tile), adds up a
-     sequence's pieces (or takes its whole sum) and divides by its length.
+  1. ``mean_pool_pieces_kernel``, one program per (token tile, feature tile), sums the *pieces* of
+     the sequences that cross the tile's edges (at most two per tile) into float32 rows; where
+     few sequences overlap its tile, also the long ones that lie inside it;
+  2. ``mean_pool_finish_kernel``, one program per (sequence, feature tile), sums the other
+     sequences that lie inside one tile straight from ``x``, or adds up a sequence's pieces (or
+     takes its sum from the pieces kernel), and divides by its length.
 
-  Every token is read once, by the pieces kernel, and every program has at most ``TILE_TOKENS``
-  tokens to read: the work is balanced whatever the lengths. (The book's chapter builds the
-  first version of this design, where the finish kernel summed the sequences inside a tile
-  straight from ``x``: one program per sequence and feature tile, in a second launch that
-  had little else to do. Moving them into the pieces kernel took the packed forward of
-  ``bench/mean_pooling.py`` from 84.7% to 88.5% of the copy bandwidth: H100, bf16, 64
-  sequences of random lengths, 65,536 tokens x 4096, device time, median of 10, one probe
-  run, not recorded; ``bench/results/mean_pooling.json`` holds the run recorded since.)
+  Every token is read once, by one of the two, and no program has more than ``TILE_TOKENS``
+  tokens to read. (The book's chapter builds this design with every sequence inside a tile
+  left to the finish kernel; the long ones moved to the pieces kernel took the benchmark's
+  packed forward from 0.210 to 0.204 ms: see ``_WALK_SEQS``.)
   Three details decide the speed
   (measured on an H100, see ``bench/mean_pooling.py``): the loop over a tile keeps ``NUM_STAGES``
   tiles of loads in flight (Triton's software pipelining, ``tl.range(..., num_stages=...)``);
@@ -202,24 +198,34 @@ def _fill_rows(dx_ptr, start, end, NUM_FEATURES: tl.constexpr, cols, col_mask, v
 
 
 @triton.jit
+def _walked(first, last, WALK_SEQS: tl.constexpr):
+    """Whether the pieces kernel sums every long sequence of a tile, not just its two pieces:
+    when fewer than ``WALK_SEQS`` sequences overlap it (``first``, ``last``: the sequences at its
+    first and last token). Both kernels ask, so they agree on who sums what."""
+    return last - first < WALK_SEQS
+
+
+@triton.jit
 def mean_pool_pieces_kernel(
     x_ptr, cu_seqlens_ptr, num_seqs, num_tokens,
     pieces_ptr,
     NUM_FEATURES: tl.constexpr, TILE_TOKENS: tl.constexpr, SEARCH_STEPS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, NUM_STAGES: tl.constexpr,
+    WALK_SEQS: tl.constexpr, WALK_MIN_TOKENS: tl.constexpr,
 ):
-    """Grid ``(cdiv(num_tokens, TILE_TOKENS), cdiv(F, BLOCK_D))``: every token, as float32 sums.
+    """Grid ``(cdiv(num_tokens, TILE_TOKENS), cdiv(F, BLOCK_D))``: the pieces of long sequences.
 
-    Tile ``i`` holds the tokens ``[i * TILE_TOKENS, (i + 1) * TILE_TOKENS)``. Its program walks
-    the sequences that overlap it, first to last, and sums each one's rows there into a row of
-    ``pieces`` (``2 * num_tiles + num_seqs`` rows):
+    Tile ``i`` holds the tokens ``[i * TILE_TOKENS, (i + 1) * TILE_TOKENS)``. The sequences that
+    cross its edges leave pieces here, at most two per tile, as float32 sums:
 
     * ``pieces[2 i]``: the tile's rows of the sequence that began in an earlier tile;
-    * ``pieces[2 i + 1]``: the tile's rows of the sequence that begins here and runs past the tile;
-    * ``pieces[2 num_tiles + s]``: the whole of sequence ``s``, which lies inside the tile.
+    * ``pieces[2 i + 1]``: the tile's rows of the sequence that begins here and runs past the tile.
 
-    The reads are balanced by tiles whatever the lengths: a short sequence is summed by the tile
-    that holds it, in this launch, not by one program of the finish kernel's.
+    A tile that few sequences overlap (``_walked``) also sums those of them that lie inside it and
+    have at least ``WALK_MIN_TOKENS`` tokens, into ``pieces[2 num_tiles + s]``: its program walks
+    the sequences one after another. Other sequences inside a tile are left whole to
+    ``mean_pool_finish_kernel``: one program each there, where a walk over many short sequences
+    would be a long loop of short sums here.
     """
     tile, d_tile, row = _work_item(NUM_FEATURES, BLOCK_D)
     num_tiles = (num_tokens + TILE_TOKENS - 1) // TILE_TOKENS
@@ -230,17 +236,38 @@ def mean_pool_pieces_kernel(
     tile_start = tile * TILE_TOKENS
     tile_end = tl.minimum(tile_start + TILE_TOKENS, num_tokens)
 
-    seq = _sequence_at(cu_seqlens_ptr, num_seqs, tile_start, SEARCH_STEPS)
-    start = _boundary(cu_seqlens_ptr, seq, num_tokens)
-    while (seq < num_seqs) & (start < tile_end):
-        end = tl.maximum(_boundary(cu_seqlens_ptr, seq + 1, num_tokens), start)
-        total = _sum_rows(x_ptr, tl.maximum(start, tile_start), tl.minimum(end, tile_end), NUM_FEATURES,
-                          cols, col_mask, BLOCK_T, BLOCK_D, NUM_STAGES)
-        slot = tl.where(start < tile_start, 2 * tile,
-                        tl.where(end > tile_end, 2 * tile + 1, 2 * num_tiles + seq))
-        tl.store(pieces_ptr + slot.to(tl.int64) * NUM_FEATURES + cols, total, mask=col_mask)
-        seq += 1
+    # Two independent searches, side by side so that their loads overlap.
+    first = _sequence_at(cu_seqlens_ptr, num_seqs, tile_start, SEARCH_STEPS)
+    last = _sequence_at(cu_seqlens_ptr, num_seqs, tile_end - 1, SEARCH_STEPS)
+    if _walked(first, last, WALK_SEQS):
+        seq = first
         start = _boundary(cu_seqlens_ptr, seq, num_tokens)
+        while (seq < num_seqs) & (start < tile_end):
+            end = tl.maximum(_boundary(cu_seqlens_ptr, seq + 1, num_tokens), start)
+            if (start < tile_start) | (end > tile_end) | (end - start >= WALK_MIN_TOKENS):
+                total = _sum_rows(x_ptr, tl.maximum(start, tile_start), tl.minimum(end, tile_end),
+                                  NUM_FEATURES, cols, col_mask, BLOCK_T, BLOCK_D, NUM_STAGES)
+                slot = tl.where(start < tile_start, 2 * tile,
+                                tl.where(end > tile_end, 2 * tile + 1, 2 * num_tiles + seq))
+                tl.store(pieces_ptr + slot.to(tl.int64) * NUM_FEATURES + cols, total, mask=col_mask)
+            seq += 1
+            start = _boundary(cu_seqlens_ptr, seq, num_tokens)
+    else:
+        if first < num_seqs:
+            start = _boundary(cu_seqlens_ptr, first, num_tokens)
+            end = _boundary(cu_seqlens_ptr, first + 1, num_tokens)
+            if start < tile_start:
+                total = _sum_rows(x_ptr, tile_start, tl.minimum(end, tile_end), NUM_FEATURES, cols,
+                                  col_mask, BLOCK_T, BLOCK_D, NUM_STAGES)
+                tl.store(pieces_ptr + (2 * tile).to(tl.int64) * NUM_FEATURES + cols, total, mask=col_mask)
+        if last < num_seqs:
+            start = _boundary(cu_seqlens_ptr, last, num_tokens)
+            end = _boundary(cu_seqlens_ptr, last + 1, num_tokens)
+            if (start >= tile_start) & (end > tile_end):
+                total = _sum_rows(x_ptr, start, tile_end, NUM_FEATURES, cols, col_mask, BLOCK_T, BLOCK_D,
+                                  NUM_STAGES)
+                tl.store(pieces_ptr + (2 * tile + 1).to(tl.int64) * NUM_FEATURES + cols, total,
+                         mask=col_mask)
 
 
 @triton.jit
@@ -249,14 +276,16 @@ def mean_pool_finish_kernel(
     out_ptr,
     NUM_FEATURES: tl.constexpr, TILE_TOKENS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_P: tl.constexpr, NUM_STAGES: tl.constexpr, HAS_PIECES: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr, WALK_SEQS: tl.constexpr, WALK_MIN_TOKENS: tl.constexpr,
 ):
     """Grid ``(num_seqs, cdiv(F, BLOCK_D))``: each sequence's mean, in the output's dtype.
 
     A sequence that spans tiles ``first..last`` adds its pieces: ``pieces[2 first + 1]`` and
     ``pieces[2 j]`` for the tiles after, ``BLOCK_P`` at a time. One inside a tile reads its sum,
-    ``pieces[2 num_tiles + seq]``; without ``HAS_PIECES`` (padded sequences no longer than a
-    tile: no pieces kernel) it is summed here, straight from ``x``. An empty sequence sums
-    nothing and gets zeros.
+    ``pieces[2 num_tiles + seq]``, if the pieces kernel wrote it (a walked tile, a sequence of at
+    least ``WALK_MIN_TOKENS``: the same two searches as there tell), else sums it here, straight
+    from ``x`` (so does every sequence without ``HAS_PIECES``: padded sequences no longer than a
+    tile, and no pieces kernel). An empty sequence sums nothing and gets zeros.
     """
     seq, d_tile, row = _work_item(NUM_FEATURES, BLOCK_D)
     num_tiles = (num_tokens + TILE_TOKENS - 1) // TILE_TOKENS
@@ -281,12 +310,21 @@ def mean_pool_finish_kernel(
             piece_ptrs = pieces_ptr + rows[:, None] * NUM_FEATURES + cols[None, :]
             acc += tl.load(piece_ptrs, mask=mask, other=0.0).to(tl.float32)
         total += tl.sum(acc, axis=0)
-    elif HAS_PIECES:
-        whole = (2 * num_tiles + seq).to(tl.int64)
-        total = tl.load(pieces_ptr + whole * NUM_FEATURES + cols, mask=col_mask & (end > start),
-                        other=0.0)
     else:
-        total = _sum_rows(x_ptr, start, end, NUM_FEATURES, cols, col_mask, BLOCK_T, BLOCK_D, NUM_STAGES)
+        summed = end < start  # False: a tensor, as the walk's answer below
+        if HAS_PIECES:
+            if end - start >= WALK_MIN_TOKENS:
+                tile_start = first_tile * TILE_TOKENS
+                tile_end = tl.minimum(tile_start + TILE_TOKENS, num_tokens)
+                first = _sequence_at(cu_seqlens_ptr, num_seqs, tile_start, SEARCH_STEPS)
+                last = _sequence_at(cu_seqlens_ptr, num_seqs, tile_end - 1, SEARCH_STEPS)
+                summed = _walked(first, last, WALK_SEQS)
+        if summed:
+            whole = (2 * num_tiles + seq).to(tl.int64)
+            total = tl.load(pieces_ptr + whole * NUM_FEATURES + cols, mask=col_mask, other=0.0)
+        else:
+            total = _sum_rows(x_ptr, start, end, NUM_FEATURES, cols, col_mask, BLOCK_T, BLOCK_D,
+                              NUM_STAGES)
     mean = total / tl.maximum(end - start, 1)
     tl.store(out_ptr + seq.to(tl.int64) * NUM_FEATURES + cols, mean.to(out_ptr.dtype.element_ty), mask=col_mask)
 
@@ -436,8 +474,9 @@ class PoolingConfig:
     bwd_tile_tokens: int | None = None
     # How many programs the token tiles aim at (measured on an H100, hidden 4096, bf16). The
     # forward keeps NUM_STAGES tiles of loads in flight and pays a binary search and a pipeline
-    # fill per program, so it wants a few long programs: about 1024, some 8 per SM. The backward
-    # only stores (no latency to hide) and evens out best over many short ones: about 4096.
+    # fill per program (and a fill per long sequence of a tile it walks), so it wants a few long
+    # programs: about 1024, some 8 per SM. The backward only stores (no latency to hide) and
+    # evens out best over many short ones: about 4096.
     fwd_programs: int = 1024
     bwd_programs: int = 4096
     fwd_num_warps: int = 4
@@ -466,6 +505,18 @@ class _Plan(NamedTuple):
 
 
 _FORWARD_STAGES = 3
+# Who sums a sequence that lies inside one token tile (see mean_pool_pieces_kernel). Measured
+# on an H100 (bf16, 65,536 tokens x 4096 packed, forward, device time, median of 10; probes,
+# not recorded), ms for: 64 sequences of random lengths (bench/mean_pooling.py's packing) /
+# 4096 of 16 tokens / random lengths 1-32 / 1-256 / the 64 with 4096 empty ones at one point:
+#   the finish kernel sums every one (the chapter's design):  0.210 / 0.763 / 0.751 / 0.207 / 0.893
+#   the pieces kernel walks every sequence of its tile:       0.200 / 0.904 / 0.973 / 0.235 / 6.61
+#   walked tiles: fewer than _WALK_SEQS sequences overlap it; sequences of _WALK_MIN_TOKENS or more:
+#                                                             0.204 / 0.757 / 0.745 / 0.211 / 0.878
+# A walk over many short sequences is a long loop of short sums in one program, where the finish
+# kernel gives each its own. The two bounds are guesses from these figures, not tuned.
+_WALK_SEQS = 4
+_WALK_MIN_TOKENS = 128
 _MAX_TILE_TOKENS = 8192
 _MAX_TILE_ELEMENTS = 8192  # BLOCK_T * BLOCK_D: 64 float32 accumulators per thread at 4 warps
 _PIECES_PER_STEP = 16      # BLOCK_P
@@ -528,13 +579,14 @@ def _mean_pool_forward_rows(x3d: Array, cu_seqlens: Array, plan: _Plan) -> Array
     num_seqs = cu_seqlens.shape[0] - 1
     tiles = (cdiv(num_tokens, plan.tile_tokens), cdiv(num_features, plan.block_hidden))
     common = dict(num_warps=plan.num_warps, NUM_FEATURES=num_features, TILE_TOKENS=plan.tile_tokens,
-                  BLOCK_T=plan.block_tokens, BLOCK_D=plan.block_hidden, NUM_STAGES=plan.num_stages)
+                  BLOCK_T=plan.block_tokens, BLOCK_D=plan.block_hidden, NUM_STAGES=plan.num_stages,
+                  SEARCH_STEPS=plan.search_steps, WALK_SEQS=_WALK_SEQS, WALK_MIN_TOKENS=_WALK_MIN_TOKENS)
     if plan.has_pieces:
         pieces = triton_call(
             x3d, cu_seqlens, num_seqs, num_tokens,
             kernel=mean_pool_pieces_kernel,
             out_shape=jax.ShapeDtypeStruct((rows, 2 * tiles[0] + num_seqs, num_features), jnp.float32),
-            grid=(tiles[0] * tiles[1], rows), SEARCH_STEPS=plan.search_steps, **common,
+            grid=(tiles[0] * tiles[1], rows), **common,
         )
     else:
         pieces = x3d  # never read: no sequence crosses a tile edge
