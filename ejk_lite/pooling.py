@@ -35,8 +35,8 @@ memory bandwidth, and a good kernel is one that keeps enough loads in flight on 
      sequences that lie inside one tile straight from ``x``, or adds up a sequence's pieces (or
      takes its sum from the pieces kernel), and divides by its length.
 
-  Every token is read once, by one of the two, and no program has more than ``TILE_TOKENS``
-  tokens to read. (The book's chapter builds this design with every sequence inside a tile
+  Every token of a sequence is read once, by one of the two, and no program has more than
+  ``TILE_TOKENS`` tokens to read. (The book's chapter builds this design with every sequence inside a tile
   left to the finish kernel; the long ones moved to the pieces kernel took the benchmark's
   packed forward from 0.210 to 0.204 ms: see ``_WALK_SEQS``.)
   Three details decide the speed
@@ -200,8 +200,9 @@ def _fill_rows(dx_ptr, start, end, NUM_FEATURES: tl.constexpr, cols, col_mask, v
 @triton.jit
 def _walked(first, last, WALK_SEQS: tl.constexpr):
     """Whether the pieces kernel sums every long sequence of a tile, not just its two pieces:
-    when fewer than ``WALK_SEQS`` sequences overlap it (``first``, ``last``: the sequences at its
-    first and last token). Both kernels ask, so they agree on who sums what."""
+    when at most ``WALK_SEQS`` sequences overlap it, counting empty ones and the tokens past
+    ``cu_seqlens[-1]`` as one more (``first``, ``last``: the sequences at its first and last
+    token). Both kernels ask, so they agree on who sums what."""
     return last - first < WALK_SEQS
 
 
@@ -213,7 +214,7 @@ def mean_pool_pieces_kernel(
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, NUM_STAGES: tl.constexpr,
     WALK_SEQS: tl.constexpr, WALK_MIN_TOKENS: tl.constexpr,
 ):
-    """Grid ``(cdiv(num_tokens, TILE_TOKENS), cdiv(F, BLOCK_D))``: the pieces of long sequences.
+    """Grid ``(cdiv(num_tokens, TILE_TOKENS), cdiv(F, BLOCK_D))``: the pieces of the sequences.
 
     Tile ``i`` holds the tokens ``[i * TILE_TOKENS, (i + 1) * TILE_TOKENS)``. The sequences that
     cross its edges leave pieces here, at most two per tile, as float32 sums:
@@ -511,12 +512,13 @@ _FORWARD_STAGES = 3
 # 4096 of 16 tokens / random lengths 1-32 / 1-256 / the 64 with 4096 empty ones at one point:
 #   the finish kernel sums every one (the chapter's design):  0.210 / 0.763 / 0.751 / 0.207 / 0.893
 #   the pieces kernel walks every sequence of its tile:       0.200 / 0.904 / 0.973 / 0.235 / 6.61
-#   walked tiles: fewer than _WALK_SEQS sequences overlap it; sequences of _WALK_MIN_TOKENS or more:
+#   walked tiles: at most _WALK_SEQS sequences overlap; sequences of _WALK_MIN_TOKENS or more:
 #                                                             0.204 / 0.757 / 0.745 / 0.211 / 0.878
 # A walk over many short sequences is a long loop of short sums in one program, where the finish
 # kernel gives each its own. The two bounds are guesses from these figures, not tuned.
 _WALK_SEQS = 4
-_WALK_MIN_TOKENS = 128
+_WALK_MIN_TOKENS = 128  # >= 1: an empty sequence is never the pieces kernel's to sum
+assert _WALK_SEQS >= 1 and _WALK_MIN_TOKENS >= 1
 _MAX_TILE_TOKENS = 8192
 _MAX_TILE_ELEMENTS = 8192  # BLOCK_T * BLOCK_D: 64 float32 accumulators per thread at 4 warps
 _PIECES_PER_STEP = 16      # BLOCK_P

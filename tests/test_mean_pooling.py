@@ -115,6 +115,22 @@ def test_triton_token_tiles_and_feature_tiles(rng, tokens_per_program, packed):
     assert rel_err(out, ref) < TOLERANCE["float32"]
 
 
+@pytest.mark.parametrize("tile", [128, 256, 512])
+def test_triton_long_sequences_inside_tiles(rng, tile):
+    """Sequences of pooling._WALK_MIN_TOKENS tokens or more that lie inside a token tile, in
+    tiles that few sequences overlap (the pieces kernel sums them) and in tiles that many do
+    (the finish kernel does), with empty sequences at tile edges, and vmap over two rows."""
+    least = pooling._WALK_MIN_TOKENS
+    lengths = [least + 3, 0, least - 1, least, 0, 2 * least, 1, 0, 5, 7, least + 1, 0, 3 * least, 0]
+    cu = cu_from_lengths(lengths)
+    config = pooling.PoolingConfig(block_hidden=16, fwd_tile_tokens=tile)
+    x, x64 = random_x(rng, (2, cu[-1] + 3, 40), "float32")
+    out = jax.vmap(lambda x: mean_pooling(x, 16, jnp.asarray(cu), impl="triton", config=config))(x)
+    ref = np.stack([numpy_mean_pooling(x64[r], cu) for r in range(2)])
+    assert np.isfinite(np.asarray(out)).all()
+    assert rel_err(out, ref) < TOLERANCE["float32"]
+
+
 def test_triton_forward_and_backward_tiles_differ(rng):
     """The forward and the backward cut the tokens into tiles of their own sizes (fewer, longer
     programs forward): both must cover every token, sequences crossing either kind of edge."""
