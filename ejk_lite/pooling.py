@@ -36,9 +36,9 @@ memory bandwidth, and a good kernel is one that keeps enough loads in flight on 
      takes its sum from the pieces kernel), and divides by its length.
 
   Every token of a sequence is read once, by one of the two, and no program has more than
-  ``TILE_TOKENS`` tokens to read. (The book's chapter builds this design with every sequence inside a tile
-  left to the finish kernel; the long ones moved to the pieces kernel took the benchmark's
-  packed forward from 0.210 to 0.204 ms: see ``_WALK_SEQS``.)
+  ``TILE_TOKENS`` tokens to read. (The book's chapter builds this design with every sequence
+  inside a tile left to the finish kernel; the long ones moved to the pieces kernel took the
+  benchmark's packed forward from 0.210 to 0.204 ms: see ``_WALK_SEQS``.)
   Three details decide the speed
   (measured on an H100, see ``bench/mean_pooling.py``): the loop over a tile keeps ``NUM_STAGES``
   tiles of loads in flight (Triton's software pipelining, ``tl.range(..., num_stages=...)``);
