@@ -1,30 +1,36 @@
-"""Sequence parallelism on 2 GPUs of one host against 1 GPU: time, memory, correctness and
-communication (issue 22), bf16.
+"""Sequence parallelism on N GPUs of one host (2 unless ``--devices``) against 1 GPU: time,
+memory, correctness and communication (issue 22), bf16.
 
-One process, a 1-D mesh ``"sp"`` of the first two devices; every case runs the same op on the
+One process, a 1-D mesh ``"sp"`` of the first N devices; every case runs the same op on the
 whole sequence on device 0 (1 GPU) and under ``jax.shard_map`` split along the sequence over the
-mesh (2 GPUs), forward and forward + backward (``jax.vjp``, a random cotangent):
+mesh (N GPUs), forward and forward + backward (``jax.vjp``, a random cotangent):
 
 * ``blocksparse_attention``: causal with a window of 1024 (``sliding_window=(1024, 0)``), 8
   packed documents (segment ids) + causal, and plain causal (contiguous slices, no zigzag: the
-  last shard does 3x the first's work), at B1 H16 T65536 D128;
+  last of N shards does 2N - 1 times the first's work), at B1 H16 T65536 D128;
 * ``chunked_recurrent`` with a scalar gate ``g``, then a per-key gate ``gk``, at B1 T131072 H16
   K=V=128 (output only; the final state unused).
 
 Per case: wall time of one jitted call to ``block_until_ready`` (``SAMPLES`` samples after a
 warm-up; min / median / max): ``bench/common.py``'s device timer sums every GPU plane of a
-trace and flushes one device's L2, so it does not time a 2-device step. Then one profiler trace
-of one step, per device: its span (first kernel start to last kernel end), busy time, the time
-in collective kernels (NCCL), and how much of that overlaps compute kernels (the intersection
-of the two sets of intervals, exact), plus the issue's formula ``(compute + collective - span) /
-collective``. Memory: XLA's ``memory_analysis()`` of each compiled program (per device:
-arguments + outputs + temporaries), and ``peak_bytes_in_use`` of each device after the case (a
-running maximum since the process started: JAX has no reset). Correctness: the 2-GPU output and
-gradients against the 1-GPU ones on the full arrays (relative L2 error on device 0, bf16
-tolerance of ``ejk_lite.testing``, gradient tolerance for gradients).
+trace and flushes one device's L2, so it does not time a step on several devices. Then one
+profiler trace of one step, per device: its span (first kernel start to last kernel end), busy
+time, the time in collective kernels (NCCL), and how much of that overlaps compute kernels (the
+intersection of the two sets of intervals, exact), plus the issue's formula ``(compute +
+collective - span) / collective``. Memory: XLA's ``memory_analysis()`` of each compiled program
+(per device: arguments + outputs + temporaries), and ``peak_bytes_in_use`` of each device after
+the case (a running maximum since the process started: JAX has no reset). Correctness: the
+sharded output and gradients against the 1-GPU ones on the full arrays (relative L2 error on
+device 0, bf16 tolerance of ``ejk_lite.testing``, gradient tolerance for gradients). Keys
+ending ``_1gpu`` are the one-device run, ``_sharded`` the run over the mesh (``mesh.size``
+devices).
 
     python3 bench/multi_gpu.py --out bench/results --budget-s 380    # 2 GPUs
+    python3 bench/multi_gpu.py --devices 4 --out bench/results        # 4 GPUs
     python3 bench/multi_gpu.py --quick --out /tmp/mgpu                 # 2 CPU devices, interpreter
+
+NVLink multicast stays off: the script sets ``NCCL_NVLS_ENABLE=0`` before JAX starts (on the
+lent machines multicast can put the host's shared GPUs out of service; their notes say so).
 
 The JSON (``multi_gpu.json``) is written after every case; past ``--budget-s`` the remaining
 cases go to ``not_run``. Exit status 1 (after the file is written) on an error past tolerance.
@@ -32,14 +38,33 @@ cases go to ``not_run``. Exit status 1 (after the file is written) on an error p
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
 from pathlib import Path
 
-if "--quick" in sys.argv:  # before JAX starts: two CPU devices
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_force_host_platform_device_count=2").strip()
+
+def parse(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny shapes on --devices CPU devices (Triton's interpreter)")
+    parser.add_argument("--devices", type=int, default=2,
+                        help="the mesh's size: the first N devices (N >= 2)")
+    parser.add_argument("--budget-s", type=float, default=380.0)
+    args = parser.parse_args(argv)
+    if args.devices < 2:
+        parser.error(f"--devices must be at least 2, got {args.devices}")
+    return args
+
+
+if __name__ == "__main__":  # before JAX starts
+    ARGS = parse()
+    os.environ["NCCL_NVLS_ENABLE"] = "0"
+    if ARGS.quick:  # as many CPU devices as the mesh needs
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_"
+                                   f"device_count={ARGS.devices}").strip()
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -58,16 +83,6 @@ SAMPLES = 10
 COLLECTIVE_WORDS = ("nccl", "allgather", "all_gather", "all-gather", "reducescatter",
                     "reduce_scatter", "reduce-scatter", "allreduce", "all_reduce", "all-reduce",
                     "collective", "sendrecv", "permute")
-
-
-def parse():
-    import argparse
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="bench/results")
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--budget-s", type=float, default=380.0)
-    return parser.parse_args()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -236,27 +251,26 @@ def profile_step(fn, args):
     return result
 
 
-def main():
-    args = parse()
+def main(args):
     run = Run(budget_s=args.budget_s)
-    quick = args.quick
+    quick, n = args.quick, args.devices
     devices = jax.devices()
-    if len(devices) < 2:
-        raise SystemExit(f"needs 2 devices, found {len(devices)}: {devices}")
-    mesh = jax.make_mesh((2,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,),
-                         devices=devices[:2])
+    if len(devices) < n:
+        raise SystemExit(f"--devices {n}: found {len(devices)} devices: {devices}")
+    mesh = jax.make_mesh((n,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=devices[:n])
     one = devices[0]
-    if quick:
-        attn_shape = dict(b=1, h=2, t=64, d=16, window=16)
-        chunk_shape = dict(b=1, t=64, h=2, d=16)
+    if quick:  # 16 tokens a shard at least: the interpreter's tiles are 16 wide
+        attn_shape = dict(b=1, h=2, t=max(64, 16 * n), d=16, window=16)
+        chunk_shape = dict(b=1, t=max(64, 16 * n), h=2, d=16)
     else:
         attn_shape = dict(b=1, h=16, t=65536, d=128, window=1024)
         chunk_shape = dict(b=1, t=131072, h=16, d=128)
     samples = 1 if quick else SAMPLES
     payload = {
-        "devices": [getattr(d, "device_kind", d.platform) for d in devices[:2]],
+        "devices": [getattr(d, "device_kind", d.platform) for d in devices[:n]],
         "device_count": len(devices),
-        "mesh": {"axis": "sp", "size": 2},
+        "mesh": {"axis": "sp", "size": n},
         "on_gpu": bool(ejk_lite.ON_GPU),
         "shapes": {"attention": attn_shape, "chunked_recurrent": chunk_shape},
         "dtype": "bfloat16",
@@ -264,8 +278,8 @@ def main():
         "notes": [
             f"time: wall clock of one compiled call to block_until_ready, {samples} samples after "
             "a checked call and a warm-up call (min/median/max); common's device timer sums all "
-            "GPU planes of a trace and flushes one device's L2, so it does not fit a 2-device "
-            "step; no L2 flush here",
+            "GPU planes of a trace and flushes one device's L2, so it does not fit a step on "
+            "several devices; no L2 flush here",
             "profile: one step traced (jax.profiler), per GPU plane: span = first kernel start "
             "to last kernel end; collective kernels = names containing nccl/all-gather/"
             "reduce-scatter/all-reduce/...; overlap_fraction = time where a collective and a "
@@ -276,13 +290,14 @@ def main():
             "memory: memory_analysis() of each compiled program (per device: arguments + "
             "outputs + temporaries - aliases); peak_bytes_in_use per device after the case is a "
             "running maximum since the process began (JAX cannot reset it)",
-            "correctness: 2-GPU output and gradients of the inputs (vjp of a random cotangent) "
+            "correctness: the sharded output and gradients of the inputs (vjp of a random "
+            "cotangent) "
             "against the 1-GPU ones, full arrays, relative L2 on device 0 (ejk_lite.testing), "
             "bf16 tolerance (gradient tolerance for gradients)",
-            "attention slices are contiguous (no zigzag): under a causal mask shard 1 does 3x "
-            "shard 0's work, which the collectives' wait shows",
+            "attention slices are contiguous (no zigzag): under a causal mask the last of n "
+            "shards does 2n - 1 times the first's work, which the collectives' wait shows",
             "T=65536 for attention: the 1-GPU causal fwd+bwd at T=131072 is 4x the work of "
-            "T=65536, and 3 masks x 2 directions x (1 + 2 GPUs) with compiles must fit in "
+            "T=65536, and 3 masks x 2 directions x (1 + n GPUs) with compiles must fit in "
             "the 380 s budget",
         ],
         "cases": [],
@@ -358,11 +373,11 @@ def measure(run, what, name, direction, arrays, extra, specs_x, specs_e, out_spe
     case["compile_s_1gpu"] = time.perf_counter() - start
     start = time.perf_counter()
     f2 = f2.lower(*a2).compile()
-    case["compile_s_2gpu"] = time.perf_counter() - start
+    case["compile_s_sharded"] = time.perf_counter() - start
     r1 = jax.block_until_ready(f1(*a1))
     r2 = jax.block_until_ready(f2(*a2))
     run.log(f"  compiled in {case['compile_s_1gpu']:.1f} s (1 device), "
-            f"{case['compile_s_2gpu']:.1f} s (2 devices), ran both")
+            f"{case['compile_s_sharded']:.1f} s ({mesh.size} devices), ran both")
     # Correctness, on device 0.
     if direction == "fwd":
         errors = {"out": relative_error(jax.device_put(r2, one), r1)}
@@ -371,7 +386,7 @@ def measure(run, what, name, direction, arrays, extra, specs_x, specs_e, out_spe
         for n, g2, g1 in zip(names, r2[1], r1[1]):
             errors[f"d{n}"] = relative_error(jax.device_put(g2, one), g1)
     del r1, r2
-    case["rel_err_2gpu_vs_1gpu"] = errors
+    case["rel_err_sharded_vs_1gpu"] = errors
     case["tolerance"] = {n: tolerance(jnp.bfloat16, gradient=n != "out") for n in errors}
     failed = past_tolerance(errors, jnp.bfloat16, what)
     run.failures.extend(failed)
@@ -379,21 +394,22 @@ def measure(run, what, name, direction, arrays, extra, specs_x, specs_e, out_spe
     run.log(f"  errors {', '.join(f'{k} {v:.3g}' for k, v in errors.items())}")
 
     case["memory_analysis_1gpu"] = memory(f1)
-    case["memory_analysis_2gpu_per_device"] = memory(f2)
+    case["memory_analysis_sharded_per_device"] = memory(f2)
     warmup = 0 if quick else 1  # the interpreter: seconds a call, and nothing to warm
     case["time_1gpu"] = wall_stats(f1, a1, samples, warmup)
-    case["time_2gpu"] = wall_stats(f2, a2, samples, warmup)
+    case["time_sharded"] = wall_stats(f2, a2, samples, warmup)
     case["median_ms_1gpu"] = case["time_1gpu"]["median_ms"]
-    case["median_ms_2gpu"] = case["time_2gpu"]["median_ms"]
-    case["speedup"] = case["median_ms_1gpu"] / case["median_ms_2gpu"]
+    case["median_ms_sharded"] = case["time_sharded"]["median_ms"]
+    case["speedup"] = case["median_ms_1gpu"] / case["median_ms_sharded"]
     case["peak_bytes_in_use_running_max"] = peak_bytes(list(mesh.devices.flat))
-    run.log(f"  1 GPU {case['median_ms_1gpu']:.3f} ms, 2 GPUs {case['median_ms_2gpu']:.3f} ms, "
+    run.log(f"  1 device {case['median_ms_1gpu']:.3f} ms, {mesh.size} devices "
+            f"{case['median_ms_sharded']:.3f} ms, "
             f"speed-up {case['speedup']:.2f}")
     if ejk_lite.ON_GPU:
         try:
             case["profile_1gpu"] = profile_step(f1, a1)
-            case["profile_2gpu"] = profile_step(f2, a2)
-            for plane, p in case["profile_2gpu"].items():
+            case["profile_sharded"] = profile_step(f2, a2)
+            for plane, p in case["profile_sharded"].items():
                 run.log(f"  {plane}: span {p['span_ms']:.3f} ms, collectives "
                         f"{p['collective_kernels_ms']:.3f} ms, overlap {p['overlap_fraction']}")
         except Exception as error:  # noqa: BLE001 (recorded; timing and checks stand)
@@ -405,4 +421,4 @@ def measure(run, what, name, direction, arrays, extra, specs_x, specs_e, out_spe
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)
