@@ -192,7 +192,8 @@ class KernelConfig:
 @dataclasses.dataclass(frozen=True)
 class ChunkedConfig:
     """One :class:`KernelConfig` per kernel (see the module docstring), the sub-chunk size of the
-    per-key-gate intra-chunk kernels, and how a float32 ``tl.dot`` multiplies.
+    per-key-gate intra-chunk kernels, whether their attention between sub-chunks runs in two
+    passes (``gk_decays_pass``, below), and how a float32 ``tl.dot`` multiplies.
 
     ``float32_dot`` (Triton's ``input_precision`` for float32 operands): ``"tf32x3"``, three TF32
     tensor-core products that keep float32 accuracy, or ``"ieee"``, plain FMAs. Products of
