@@ -42,17 +42,16 @@ from ejk_lite.linear_attention import reference  # noqa: E402
 
 CHECK_SEQ_LEN = 256
 SAMPLES = 10
-# The shipped config against the per-key gate's attention in two passes (ChunkedConfig.
-# gk_decays_pass: _gk_decays_kernel, then _gk_products_kernel), not yet timed, at the tiles
-# that compiled offline (sm_90, bf16, K=128) with no spills and the fewest registers: decays
-# BK16 4 warps (113 registers) or BK32 8 warps (117); products BK16 4 warps (100) or BK32 8
-# warps (116). The fused _gk_attention_kernel there: 255 registers, 1252 bytes spilled.
-# Earlier alternatives to the shipped tiles are in ChunkedConfig's comments.
+# The shipped config and the alternatives to it measured last (H100, bf16, B4 T4096 H16
+# K=V=128, per-key gate; per-kernel medians, .scratch probes of 41f5d0e's tree and of its
+# successor with the operands in the input dtype): _gk_attention_kernel BK64 0.43 ms, BK32
+# 0.46; _gk_diagonal_kernel BK128 one warp 0.28, BK64 one warp 0.37; _intra_grads_kernel at
+# 2 or 8 warps instead of 4 took 1.16 / 1.18 ms more forward + backward.
 VARIANTS = ["default={}",
-            'two_pass={"gk_decays_pass": true, "attention": {"block_k": 16}}',
-            'two_pass_p32w8={"gk_decays_pass": true, "attention": {"block_k": 32, "num_warps": 8}}',
-            'two_pass_d32w8={"gk_decays_pass": true, "decays": {"block_k": 32, "num_warps": 8}, '
-            '"attention": {"block_k": 32, "num_warps": 8}}']
+            'att32={"attention": {"block_k": 32}}',
+            'diag64w1={"diagonal": {"block_k": 64, "num_warps": 1}}',
+            'intra_w2={"intra_grads": {"block_k": 32, "unroll": 4, "num_warps": 2}}',
+            'inter_w8={"inter_grads": {"num_warps": 8}}']
 
 
 def parse_variant(spec: str) -> tuple[str, ChunkedConfig]:

@@ -108,10 +108,6 @@ _attention_kernel     (NT, B * H)            A, the masked intra-chunk attention
 _gk_attention_kernel  (NT, B * H)            the same with a per-key gate, but for the
                                              diagonal sub-chunk blocks; and q exp(G),
                                              k exp(Gamma - G), Gamma for the states and output
-_gk_decays_kernel     (K/BK, NT, B * H)      ``gk_decays_pass`` (off by default): the per-key
-                                             gate's sums and decayed rows, then
-_gk_products_kernel   (NT, B * H)            A between sub-chunks from them; the two in place
-                                             of _gk_attention_kernel
 _gk_diagonal_kernel   (NT * BT/BC, B * H)    per-key gates: A's diagonal sub-chunk blocks
 _output_kernel        (V/BV, NT, B * H)      o = scale (q exp(G)) H + A v
 _state_grads_kernel   (V/BV, K/BK, N * H)    walks the chunks backwards: D for every chunk,
@@ -192,8 +188,7 @@ class KernelConfig:
 @dataclasses.dataclass(frozen=True)
 class ChunkedConfig:
     """One :class:`KernelConfig` per kernel (see the module docstring), the sub-chunk size of the
-    per-key-gate intra-chunk kernels, whether their attention between sub-chunks runs in two
-    passes (``gk_decays_pass``, below), and how a float32 ``tl.dot`` multiplies.
+    per-key-gate intra-chunk kernels, and how a float32 ``tl.dot`` multiplies.
 
     ``float32_dot`` (Triton's ``input_precision`` for float32 operands): ``"tf32x3"``, three TF32
     tensor-core products that keep float32 accuracy, or ``"ieee"``, plain FMAs. Products of
@@ -222,14 +217,6 @@ class ChunkedConfig:
     # 41f5d0e's tree) took 0.94 / 0.34 ms more forward + backward.
     attention: KernelConfig = KernelConfig()
     diagonal: KernelConfig = KernelConfig(block_k=128, num_warps=1)
-    # The per-key gate's attention in two passes instead of _gk_attention_kernel: the sums of a
-    # and the decayed rows (_gk_decays_kernel, tiled by ``decays``), then the products
-    # (_gk_products_kernel, tiled by ``attention``). Off until timed on a GPU against the fused
-    # kernel. Offline sm_90 compiles (bf16, K=128; registers, spill-store bytes): decays BK16 4
-    # warps 113, 0 (BK32 4 warps 200, 0; BK64 4 warps 255, 664); products BK16 4 warps 100, 0,
-    # BK32 8 warps 116, 0, BK64 4 warps 255, 44 (the fused kernel there: 255, 1252).
-    gk_decays_pass: bool = False
-    decays: KernelConfig = KernelConfig(block_k=16)
     output: KernelConfig = KernelConfig()
     state_grads: KernelConfig = KernelConfig(block_v=32, num_stages=3)
     dA: KernelConfig = KernelConfig()
@@ -254,9 +241,6 @@ class ChunkedConfig:
         if not is_int or sub not in (16, 32, 64):
             raise ValueError(f"ChunkedConfig.sub_chunk must be 16, 32 or 64, got {sub!r}")
         object.__setattr__(self, "sub_chunk", int(sub))
-        if not isinstance(self.gk_decays_pass, (bool, np.bool_)):
-            raise ValueError(f"ChunkedConfig.gk_decays_pass must be a bool, got {self.gk_decays_pass!r}")
-        object.__setattr__(self, "gk_decays_pass", bool(self.gk_decays_pass))
         if self.float32_dot not in ("tf32x3", "ieee"):
             raise ValueError(f"ChunkedConfig.float32_dot must be 'tf32x3' or 'ieee', got "
                              f"{self.float32_dot!r}")
@@ -640,116 +624,6 @@ def _gk_attention_kernel(
         tl.store(kd + out, (b_k * tl.exp(after)).to(kd.dtype.element_ty), mask=out_mask)
         slot = i_b.to(tl.int64) * NT_SLOTS + i_t
         tl.store(gamma + (slot * H + i_h) * K + offs_k, tl.sum(b_a, axis=0), mask=mask_k)
-
-    # Later sub-chunks are zero (A is lower-triangular in walking order), as b_off holds them.
-    tl.store(A + (tok[:, None] * H + i_h) * BT + r[None, :], (b_off * SCALE).to(A.dtype.element_ty),
-             mask=valid[:, None] & (sub[:, None] != sub[None, :]))
-
-
-# The per-key gate's attention in two passes (ChunkedConfig.gk_decays_pass, off by default
-# until timed). _gk_attention_kernel compiles offline (sm_90, bf16, K=128, BK64 4 warps; ptxas
-# -v) to 255 registers and 1252 bytes of spill stores, and an H100 profile (ncu, 2026-11-25)
-# found it bound by spills and layout conversions through shared memory, not by DRAM. H100
-# probes of the same day (not recorded), B4 T4096 H16 K=V=128: 0.40 ms, 0.275 without the
-# stores of the decayed rows, 0.31 without the sums. So a pass over q, k and a does every sum
-# and every store but A's (_gk_decays_kernel), and the products read its rows
-# (_gk_products_kernel): offline, neither spills at BK16 4 warps (113 and 100 registers).
-
-
-@triton.jit
-def _gk_decays_kernel(
-    q, k, a, cu_seqlens, chunk_indices, T, NT_SLOTS, num_seqs,
-    # outputs: q exp(G), k exp(Gamma - G) [B * T, H, K] and Gamma [B * NT_SLOTS, H, K], as
-    # _gk_attention_kernel's; the same within each sub-chunk, q exp(G_i - G_b) and
-    # k exp(G_e - G_j) with b, e its first row's predecessor and its last row [B * T, H, K]; and
-    # every sub-chunk's total log-decay [B * NT_SLOTS, BT / BC, H, K] fp32
-    qd, kd, gamma, qs, ks, totals,
-    H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr,
-):
-    # Per-key gate. One program per (K tile, chunk): elementwise work and scans over [BT, BK].
-    i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h = i_bh // H, i_bh % H
-    i_kv = i_h // (H // H_KV)
-    i_c, start, end = _chunk_of_program(cu_seqlens, chunk_indices, i_t, T, num_seqs, IS_VARLEN)
-    if start + i_c * BT >= end:
-        return
-    row_base = i_b.to(tl.int64) * T
-    NC: tl.constexpr = BT // BC
-    r = tl.arange(0, BT)
-    tok, valid = _rows(r, i_c, start, end, row_base, BT, REVERSE)
-    tok1, valid1 = _rows(r + 1, i_c, start, end, row_base, BT, REVERSE)
-    offs_k = i_k * BK + tl.arange(0, BK)
-    mask_k = offs_k < K
-    b_q = _load_rows(q + i_h * K, tok, valid, offs_k, mask_k, H * K).to(tl.float32)
-    b_k = _load_rows(k + i_kv * K, tok, valid, offs_k, mask_k, H_KV * K).to(tl.float32)
-    b_a = _load_gates(a, tok, valid, i_h, offs_k, mask_k, H, K)
-    b_a1 = _load_gates(a, tok1, valid1, i_h, offs_k, mask_k, H, K)  # the next row's
-    out = (tok[:, None] * H + i_h) * K + offs_k[None, :]
-    out_mask = valid[:, None] & mask_k[None, :]
-    # Direct sums (never a difference): from the chunk's start to i, from j (exclusive) to the
-    # chunk's end, and over the chunk.
-    from_start, to_end = tl.cumsum(b_a, axis=0), tl.cumsum(b_a1, axis=0, reverse=True)
-    tl.store(qd + out, (b_q * tl.exp(from_start)).to(qd.dtype.element_ty), mask=out_mask)
-    tl.store(kd + out, (b_k * tl.exp(to_end)).to(kd.dtype.element_ty), mask=out_mask)
-    slot = i_b.to(tl.int64) * NT_SLOTS + i_t
-    tl.store(gamma + (slot * H + i_h) * K + offs_k, tl.sum(b_a, axis=0), mask=mask_k)
-    # The same within each sub-chunk, as [NC, BC, BK]: the last row's successor is outside it.
-    local = r % BC
-    from_sub = tl.reshape(tl.cumsum(tl.reshape(b_a, (NC, BC, BK)), axis=1), (BT, BK))
-    b_a1 = tl.where((local < BC - 1)[:, None], b_a1, 0.0)
-    to_sub_end = tl.reshape(tl.cumsum(tl.reshape(b_a1, (NC, BC, BK)), axis=1, reverse=True),
-                            (BT, BK))
-    tl.store(qs + out, (b_q * tl.exp(from_sub)).to(qs.dtype.element_ty), mask=out_mask)
-    tl.store(ks + out, (b_k * tl.exp(to_sub_end)).to(ks.dtype.element_ty), mask=out_mask)
-    sub_total = tl.sum(tl.reshape(b_a, (NC, BC, BK)), axis=1)  # [NC, BK]
-    c = tl.arange(0, NC)
-    tl.store(totals + ((slot * NC + c[:, None]) * H + i_h) * K + offs_k[None, :], sub_total,
-             mask=mask_k[None, :])
-
-
-@triton.jit
-def _gk_products_kernel(
-    qs, ks, totals, cu_seqlens, chunk_indices, T, NT_SLOTS, num_seqs,
-    A,  # output: A [B * T, H, BT] as _gk_attention_kernel's: all but the diagonal sub-chunk blocks
-    H: tl.constexpr, K: tl.constexpr, SCALE: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr, F32_DOT: tl.constexpr,
-):
-    # Per-key gate. One program per chunk, a loop over K tiles: the blocks of A between
-    # sub-chunks from _gk_decays_kernel's rows. Queries in sub-chunk I, keys in an earlier J:
-    # exp(G_i - G_j) = exp(G_i - G_b) exp(G_b - G_e) exp(G_e - G_j), b the row before I, e the
-    # last of J; the first and last factors are in qs and ks, the middle one is the product of
-    # exp(total) over the sub-chunks between J and I, grown by one sub-chunk as I moves on.
-    # Each factor is at most 1.
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    i_c, start, end = _chunk_of_program(cu_seqlens, chunk_indices, i_t, T, num_seqs, IS_VARLEN)
-    if start + i_c * BT >= end:
-        return
-    row_base = i_b.to(tl.int64) * T
-    NC: tl.constexpr = BT // BC
-    r = tl.arange(0, BT)
-    sub = r // BC
-    tok, valid = _rows(r, i_c, start, end, row_base, BT, REVERSE)
-    slot = i_b.to(tl.int64) * NT_SLOTS + i_t
-    dtype = qs.dtype.element_ty
-
-    b_off = tl.zeros([BT, BT], dtype=tl.float32)
-    for i_k in range(0, tl.cdiv(K, BK)):
-        offs_k = i_k * BK + tl.arange(0, BK)
-        mask_k = offs_k < K
-        b_qs = _load_rows(qs + i_h * K, tok, valid, offs_k, mask_k, H * K)
-        b_ks = _load_rows(ks + i_h * K, tok, valid, offs_k, mask_k, H * K).to(tl.float32)
-        for i_ci in tl.static_range(1, NC):
-            if i_ci > 1:  # the keys of sub-chunks before i_ci - 1 decay over all of it
-                passed = tl.load(totals + ((slot * NC + i_ci - 1) * H + i_h) * K + offs_k,
-                                 mask=mask_k, other=0.0)
-                b_ks = tl.where((sub < i_ci - 1)[:, None], b_ks * tl.exp(passed)[None, :], b_ks)
-            b_kg = tl.where((sub < i_ci)[:, None], b_ks, 0.0).to(dtype)
-            b_qi = tl.where((sub == i_ci)[:, None], b_qs, 0.0).to(dtype)  # I's rows only
-            b_off = tl.dot(b_qi, tl.trans(b_kg), acc=b_off, input_precision=F32_DOT)
 
     # Later sub-chunks are zero (A is lower-triangular in walking order), as b_off holds them.
     tl.store(A + (tok[:, None] * H + i_h) * BT + r[None, :], (b_off * SCALE).to(A.dtype.element_ty),
@@ -1272,30 +1146,12 @@ def _forward_launch(static, query, key, value, a, h0, cu_seqlens):
         decayed_shapes = [per_head, per_head,
                           jax.ShapeDtypeStruct((batch * slots, num_heads, key_dim), jnp.float32)]
         if flags["USE_GK"]:
+            A, q_decayed, k_decayed, gamma = triton_call(
+                query, key, a, cu, chunk_indices, seq_len, slots, per_row,
+                kernel=_gk_attention_kernel, out_shape=[A_shape, *decayed_shapes],
+                grid=(slots, batch * num_heads), BC=min(cfg.sub_chunk, bt), **attention,
+            )
             sub = min(cfg.sub_chunk, bt)
-            if cfg.gk_decays_pass:  # the sums and decayed rows, then the products
-                block_k, _ = _fit(cfg.decays, key_dim, value_dim)
-                totals = jax.ShapeDtypeStruct((batch * slots, bt // sub, num_heads, key_dim), jnp.float32)
-                q_decayed, k_decayed, gamma, q_sub, k_sub, sub_totals = triton_call(
-                    query, key, a, cu, chunk_indices, seq_len, slots, per_row,
-                    kernel=_gk_decays_kernel, out_shape=[*decayed_shapes, per_head, per_head, totals],
-                    grid=(cdiv(key_dim, block_k), slots, batch * num_heads),
-                    num_warps=cfg.decays.num_warps, num_stages=cfg.decays.num_stages,
-                    H=num_heads, H_KV=num_kv_heads, K=key_dim, BT=bt, BC=sub, BK=block_k,
-                    REVERSE=static.reverse, IS_VARLEN=flags["IS_VARLEN"],
-                )
-                products = {name: value for name, value in attention.items() if name != "H_KV"}
-                A = triton_call(
-                    q_sub, k_sub, sub_totals, cu, chunk_indices, seq_len, slots, per_row,
-                    kernel=_gk_products_kernel, out_shape=A_shape, grid=(slots, batch * num_heads),
-                    BC=sub, **products,
-                )
-            else:
-                A, q_decayed, k_decayed, gamma = triton_call(
-                    query, key, a, cu, chunk_indices, seq_len, slots, per_row,
-                    kernel=_gk_attention_kernel, out_shape=[A_shape, *decayed_shapes],
-                    grid=(slots, batch * num_heads), BC=sub, **attention,
-                )
             block_k, _ = _fit(cfg.diagonal, key_dim, value_dim)
             A = triton_call(
                 query, key, a, cu, chunk_indices, seq_len, per_row, A,

@@ -208,7 +208,7 @@ def test_several_tiles_and_sub_chunks(rng, packed):
     their walks unrolled by two."""
     tiles = KernelConfig(block_k=16, block_v=16, num_warps=2, num_stages=1, unroll=2)
     every_kernel = ChunkedConfig.kernel_fields()
-    assert len(every_kernel) == 10, every_kernel
+    assert len(every_kernel) == 9, every_kernel
     config = ChunkedConfig(**dict.fromkeys(every_kernel, tiles), sub_chunk=32, float32_dot="ieee")
     options = dict(chunk_size=64, config=config)
     if packed:
@@ -219,38 +219,6 @@ def test_several_tiles_and_sub_chunks(rng, packed):
     else:
         inputs = make_inputs(rng, batch=1, seq_len=70, key_dim=40, value_dim=36, gates=ALL_GATES)
     check(rng, inputs, reverse=packed, **options)
-
-
-@pytest.mark.parametrize("case", ["several tiles", "strong decay, reverse", "packed, bf16",
-                                  "GQA, chunk 32"])
-def test_gk_decays_pass(rng, case):
-    """The per-key gate's attention in two passes (``ChunkedConfig.gk_decays_pass``): sums and
-    decayed rows, then products. Several K tiles and sub-chunks, strong decay with live terms
-    between, packed sequences with empty and one-token ones, grouped heads."""
-    tiles = KernelConfig(block_k=16, num_warps=2)
-    config = ChunkedConfig(gk_decays_pass=True, decays=tiles, attention=tiles)
-    options = dict(chunk_size=64, config=config)
-    dtype = jnp.float32
-    if case == "several tiles":  # K = 40: three tiles of 16, the last one short
-        inputs = make_inputs(rng, batch=2, seq_len=100, key_dim=40, value_dim=12, gates=("gk",))
-    elif case == "strong decay, reverse":
-        inputs = make_inputs(rng, batch=1, seq_len=90, key_dim=20, gates=())
-        shape = (1, 90, 2, 20)
-        strong = rng.uniform(size=shape) < 0.5
-        inputs["gk"] = np.where(strong, -40.0 * rng.uniform(0.5, 1.0, size=shape),
-                                -0.05 * rng.uniform(size=shape))
-        options["reverse"] = True
-    elif case == "packed, bf16":
-        lengths = [70, 0, 1, 33]
-        options["cu_seqlens"] = packing(lengths)
-        inputs = make_inputs(rng, batch=1, seq_len=110, key_dim=24, gates=("g", "gk"),
-                             num_states=len(lengths))
-        dtype = jnp.bfloat16
-    else:
-        inputs = make_inputs(rng, batch=1, seq_len=75, heads=4, kv_heads=2, key_dim=16,
-                             gates=ALL_GATES)
-        options["chunk_size"] = 32
-    check(rng, inputs, dtype=dtype, **options)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -452,7 +420,6 @@ def test_bad_arguments(kwargs, argument):
     (lambda: KernelConfig(unroll=3), "unroll"),
     (lambda: ChunkedConfig(sub_chunk=8), "sub_chunk"), (lambda: ChunkedConfig(float32_dot="tf32"), "float32_dot"),
     (lambda: ChunkedConfig(states=(64, 64)), "states"),
-    (lambda: ChunkedConfig(gk_decays_pass="yes"), "gk_decays_pass"),
 ])
 def test_bad_config(make, field):
     with pytest.raises(ValueError, match=field):

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ejk_lite import ChunkedConfig, chunk_local_cumsum, chunked_recurrent, mean_pooling, recurrent
+from ejk_lite import chunk_local_cumsum, chunked_recurrent, mean_pooling, recurrent
 
 rng = np.random.default_rng(0)
 B, T, H, K, V = 1, 150, 2, 32, 16
@@ -17,29 +17,18 @@ q, k, v = f32(B, T, H, K), f32(B, T, H, K), f32(B, T, H, V)
 gates = {"g": -jnp.abs(f32(B, T, H)), "gk": -jnp.abs(f32(B, T, H, K)), "g_gamma": -jnp.abs(f32(H))}
 packed = jnp.asarray([0, 7, 7, 130, 150], jnp.int32)
 
-
-
-def chunked_grad(dtype, chunk, names, rev, cu, config=None):
+for dtype, chunk, names, rev, cu in itertools.product(
+        ["float32", "bfloat16"], [16, 64], [("g",), ("gk",), ("g_gamma",), ("g", "gk", "g_gamma")],
+        [False, True], [None, packed]):
     kw = {n: gates[n] for n in names}
     seqs = B if cu is None else cu.shape[0] - 1
 
     def loss(q, k, v):
         o, _ = chunked_recurrent(q, k, v, **kw, reverse=rev, cu_seqlens=cu, chunk_size=chunk,
-                                 initial_state=jnp.zeros((seqs, H, K, V)), impl="triton",
-                                 config=config)
+                                 initial_state=jnp.zeros((seqs, H, K, V)), impl="triton")
         return o.astype(jnp.float32).sum()
 
     jax.grad(loss, argnums=(0, 1, 2))(*(x.astype(dtype) for x in (q, k, v)))
-
-
-for dtype, chunk, names, rev, cu in itertools.product(
-        ["float32", "bfloat16"], [16, 64], [("g",), ("gk",), ("g_gamma",), ("g", "gk", "g_gamma")],
-        [False, True], [None, packed]):
-    chunked_grad(dtype, chunk, names, rev, cu)
-# The per-key gate's attention in two passes (off by default).
-for dtype, chunk, rev, cu in itertools.product(["float32", "bfloat16"], [16, 64], [False, True],
-                                               [None, packed]):
-    chunked_grad(dtype, chunk, ("gk",), rev, cu, ChunkedConfig(gk_decays_pass=True))
 
 for dtype in ["float32", "bfloat16"]:
     x = q.astype(dtype)
