@@ -214,17 +214,28 @@ def _crossing(cu: Array, boundary: Array) -> tuple[Array, Array]:
     return seq, (cu[seq] < boundary) & (boundary < cu[seq + 1])
 
 
-def _log_decays(g, g_gamma, gk, gv, shape_k, shape_v) -> tuple[Array, Array]:
-    """Per-token log-decays along K (``g + g_gamma + gk``) and along V (``gv``), float32."""
-    a = jnp.zeros(shape_k, jnp.float32)
-    if g is not None:
-        a = a + g.astype(jnp.float32)[..., None]
-    if g_gamma is not None:
-        a = a + g_gamma.astype(jnp.float32)[:, None]
-    if gk is not None:
-        a = a + gk.astype(jnp.float32)
-    b = jnp.zeros(shape_v, jnp.float32) if gv is None else gv.astype(jnp.float32)
-    return a, b
+def _log_decays(g, g_gamma, gk, gv, rows: tuple[int, int, int]) -> tuple[Array | None, ...]:
+    """Per-token log-decays, float32, ``None`` where there is no decay: along K (``g + g_gamma
+    + gk``: ``[B, L, H, 1]`` for the scalar gates alone, ``[B, L, H, K]`` with ``gk``) and along
+    V (``gv``, ``[B, L, H, V]``). ``rows`` is ``(B, L, H)``. Scalar gates stay one column: a
+    broadcast to ``[B, L, H, K]`` made every sum below K times the work (measured on 2 H200s,
+    bench/results/multi_gpu.json at 81434ec: 2 GPUs slower than 1 with the scalar gate)."""
+    a = None
+    for term in (None if g is None else g[..., None],
+                 None if g_gamma is None else jnp.broadcast_to(g_gamma[:, None], (*rows, 1)),
+                 gk):
+        if term is not None:
+            a = term.astype(jnp.float32) if a is None else a + term.astype(jnp.float32)
+    return a, None if gv is None else gv.astype(jnp.float32)
+
+
+def _running(x: Array | None, mask: Array, reverse: bool) -> tuple[Array | None, Array | None]:
+    """Running sums of the log-decays ``x`` over the entering sequence's tokens (``mask``), from
+    the shard's boundary to each token, and their total per row; ``(None, None)`` for none."""
+    if x is None:
+        return None, None
+    x = jnp.where(mask, x, 0.0)
+    return jax.lax.cumsum(x, axis=1, reverse=reverse), jnp.sum(x, 1)
 
 
 def linear_attention(fn: Callable[..., tuple[Array, Array]], *, query: Array, key: Array,
@@ -323,12 +334,13 @@ def linear_attention(fn: Callable[..., tuple[Array, Array]], *, query: Array, ke
     # 2. The decays of the entering sequence's tokens: running (from the boundary to each token)
     #    and total. Exp of a running sum of log-decays <= 0 only underflows, where the state
     #    carried in has decayed away.
-    a, b = _log_decays(g, g_gamma, gk, gv, (batch, L, heads, key_dim), o.shape)
     mask = entering[:, :, None, None]
-    a, b = jnp.where(mask, a, 0.0), jnp.where(mask, b, 0.0)
-    running_a = jnp.flip(jnp.cumsum(jnp.flip(a, 1), 1), 1) if reverse else jnp.cumsum(a, 1)
-    running_b = jnp.flip(jnp.cumsum(jnp.flip(b, 1), 1), 1) if reverse else jnp.cumsum(b, 1)
-    decay_k, decay_v = jnp.exp(jnp.sum(a, 1)), jnp.exp(jnp.sum(b, 1))  # [B, H, K], [B, H, V]
+    a, b = _log_decays(g, g_gamma, gk, gv, (batch, L, heads))
+    running_a, total_a = _running(a, mask, reverse)
+    running_b, total_b = _running(b, mask, reverse)
+    no_decay = jnp.ones((batch, heads, 1), jnp.float32)
+    decay_k = no_decay if a is None else jnp.exp(total_a)  # [B, H, K] or [B, H, 1]
+    decay_v = no_decay if b is None else jnp.exp(total_b)  # [B, H, V] or [B, H, 1]
 
     # 3. Exchange: each shard's leaving state (from the zero start) and, if one sequence spans
     #    the whole shard (it enters and leaves), the decay that multiplies the state carried in.
@@ -347,12 +359,21 @@ def linear_attention(fn: Callable[..., tuple[Array, Array]], *, query: Array, ke
     _, incoming = jax.lax.scan(fold, h0, (states, carried_k, carried_v), reverse=reverse)
     h_in = jnp.where(enters[:, None, None, None], incoming[index], 0.0)  # [B, H, K, V]
 
-    # 4. Correct the outputs of the entering sequence's tokens and its final state.
+    # 4. Correct the outputs of the entering sequence's tokens and its final state. The product
+    #    rounds its operands as the kernel's own q @ h does (_output_kernel: to a 16-bit input's
+    #    dtype) and accumulates in float32. It multiplies float32 arrays, exactly for 16-bit
+    #    values at the default precision (TF32 on a GPU), full float32 ones at the highest: a
+    #    CPU's dot has no 16-bit x 16-bit = float32 form.
     scale = static_float(softmax_scale, "softmax_scale") if softmax_scale is not None else (
         key_dim ** -0.5 if key_dim > 0 else 1.0)
-    exact = jax.lax.Precision.HIGHEST
-    q = scale * query.astype(jnp.float32) * jnp.where(mask, jnp.exp(running_a), 0.0)
-    correction = jnp.einsum("blhk,bhkv->blhv", q, h_in, precision=exact) * jnp.exp(running_b)
+    weight = jnp.where(mask, 1.0 if a is None else jnp.exp(running_a), 0.0)
+    narrow = jnp.dtype(query.dtype).itemsize == 2
+    rounded = (lambda x: x.astype(query.dtype).astype(jnp.float32)) if narrow else (lambda x: x)
+    q = rounded(scale * query.astype(jnp.float32) * weight)
+    correction = jnp.einsum("blhk,bhkv->blhv", q, rounded(h_in), precision=(
+        jax.lax.Precision.DEFAULT if narrow else jax.lax.Precision.HIGHEST))
+    if b is not None:
+        correction = correction * jnp.exp(running_b)
     o = (o.astype(jnp.float32) + correction).astype(o.dtype)
     final = final.at[enter_slot].add(h_in * decay_k[..., :, None] * decay_v[..., None, :])
 
