@@ -39,6 +39,7 @@ cases go to ``not_run``. Exit status 1 (after the file is written) on an error p
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import sys
 import time
@@ -205,6 +206,14 @@ def _intersection(a, b):
     return total
 
 
+def _top_kernels(events, count=8):
+    """The ``count`` kernels that took the most time in a plane, summed by name (ms)."""
+    totals = collections.Counter()
+    for start, end, name in events:
+        totals[name[:80]] += (end - start) / 1e6
+    return dict(totals.most_common(count))
+
+
 def profile_step(fn, args):
     """One step in a profiler trace: per GPU plane, the span, busy time, collective kernels' time
     and their overlap with compute kernels (ms), and the collective kernels' names."""
@@ -247,6 +256,7 @@ def profile_step(fn, args):
             "kernels": len(events),
             "collective_names": sorted({n for _, _, n in events
                                         if any(w in n.lower() for w in COLLECTIVE_WORDS)})[:8],
+            "top_kernels_ms": _top_kernels(events),
         }
     return result
 
@@ -286,7 +296,8 @@ def main(args):
             "compute kernel run at once (interval intersection) / collective time; "
             "overlap_formula = (compute + collective - span) / collective (the issue's, which "
             "counts idle gaps against overlap). NCCL kernels' time includes waiting for the "
-            "other GPU (a load imbalance shows as collective time)",
+            "other GPU (a load imbalance shows as collective time); top_kernels_ms = the 8 "
+            "kernels with the most time in the plane, summed by name",
             "memory: memory_analysis() of each compiled program (per device: arguments + "
             "outputs + temporaries - aliases); peak_bytes_in_use per device after the case is a "
             "running maximum since the process began (JAX cannot reset it)",
@@ -412,6 +423,8 @@ def measure(run, what, name, direction, arrays, extra, specs_x, specs_e, out_spe
             for plane, p in case["profile_sharded"].items():
                 run.log(f"  {plane}: span {p['span_ms']:.3f} ms, collectives "
                         f"{p['collective_kernels_ms']:.3f} ms, overlap {p['overlap_fraction']}")
+                run.log("    " + ", ".join(f"{name[:40]} {ms:.3f}"
+                                           for name, ms in p["top_kernels_ms"].items()))
         except Exception as error:  # noqa: BLE001 (recorded; timing and checks stand)
             case["profile_error"] = f"{type(error).__name__}: {str(error)[:300]}"
             run.log(f"  profile failed: {case['profile_error']}")
