@@ -215,6 +215,14 @@ class ChunkedConfig:
     # 0.56). Earlier (bench/_probe_chunked_gk.py at c96caac): the walk in _intra_grads_kernel
     # 1.38 ms at unroll 1, 1.25 at 2, 1.10 at 4, 1.21 at 8; BK16 or BK64 instead of BK32 (at
     # 41f5d0e's tree) took 0.94 / 0.34 ms more forward + backward.
+    # The per-key gate's attention in two kernels instead (ee2326f, reverted): the sums and
+    # decayed rows in one, the products between sub-chunks in the other. Neither spills offline
+    # (sm_90, ptxas: 113 and 100 registers at BK16 4 warps, where _gk_attention_kernel at BK64
+    # spills 1252 bytes at 255), yet the pair lost (H200, bf16, B4 T4096 H16 K=V=128, medians
+    # of 10, bench/_probe_chunked_gk.py at 81434ec): forward 0.877 ms at BK16 4 warps, 0.970
+    # with the products at BK32 8 warps, 1.005 with both there, against 0.862 for this one;
+    # forward + backward 2.969, 3.062 and 3.093 against 2.949 (per kernel, products at BK32 8
+    # warps: 0.32 ms for the sums and rows, 0.20 for the products).
     attention: KernelConfig = KernelConfig()
     diagonal: KernelConfig = KernelConfig(block_k=128, num_warps=1)
     output: KernelConfig = KernelConfig()
