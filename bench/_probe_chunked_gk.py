@@ -14,6 +14,13 @@ bench/chunked.py records the race.
     PYTHONPATH=$PWD python bench/_probe_chunked_gk.py --shape 2 --gates gk,g default={} \\
         'diag64={"diagonal": {"block_k": 64, "num_warps": 1}}'
     PYTHONPATH=$PWD python bench/_probe_chunked_gk.py --quick            # CPU interpreter, tiny
+    PYTHONPATH=$PWD python bench/_probe_chunked_gk.py default={} --fla   # and fla's, per kernel
+
+``--fla`` also runs fla's kernel for each gate (``peers.FLA``: ``chunk_gla`` for ``gk``,
+``chunk_simple_gla`` for ``g``), checked against the first variant, timed the same way, with its
+per-kernel breakdown: which of our kernels is slower than its counterpart. fla autotunes its
+kernels on the first call, for minutes from a cold cache: carry its ``*.autotune.json`` files
+in ``TRITON_CACHE_DIR`` from call to call as bench/chunked.py's docstring says.
 
 Exit status 1 if any check fails.
 """
@@ -77,6 +84,39 @@ def kernel_breakdown(fn, samples: int) -> list[tuple[str, float, float]]:
     return sorted(rows, key=lambda r: -r[1])
 
 
+def fla_probe(run, fla, gate, inputs, d_o, scale, samples, first) -> dict:
+    """fla's kernel for ``gate`` on ``inputs``: checked against ``first`` (our first variant's
+    output and gradients), timed (``peers.fla_race``), and each direction's kernels."""
+    label = f"{gate} fla"
+    o, grads, stats = peers.fla_race(fla, "chunked", gate, inputs, d_o, scale, samples)
+    failures = past_tolerance(compare(o, grads, *first), jnp.bfloat16, f"{label} vs ours")
+    run.failures += failures
+    run.log(f"{label} ({'FAILED' if failures else 'checked'} against ours): "
+            + ", ".join(f"{k} {v['median_ms']:.4g} ms" for k, v in stats.items()))
+    torch = fla["torch"]
+    call = peers.fla_call(fla, "chunked", gate, scale)
+    tensors = {name: peers.to_torch(torch, x) for name, x in inputs.items()}
+    leaves = {name: t.detach().requires_grad_(True) for name, t in tensors.items()}
+    d_o_t = peers.to_torch(torch, d_o)
+
+    def forward():
+        with torch.no_grad():
+            call(tensors)
+        torch.cuda.synchronize()  # kernel_breakdown's trace needs the work done
+
+    def forward_backward():
+        for leaf in leaves.values():
+            leaf.grad = None  # no accumulation kernels in the breakdown
+        call(leaves).backward(d_o_t)
+        torch.cuda.synchronize()
+
+    for direction, fn in (("fwd", forward), ("fwd+bwd", forward_backward)):
+        print(f"  {label} {direction}: kernels (median ms per call, warm L2; launches)")
+        for kernel, ms, n in kernel_breakdown(fn, samples):
+            print(f"    {ms:8.4f}  x{n:g}  {kernel[:80]}")
+    return stats
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("variants", nargs="*", help="NAME=JSON of ChunkedConfig fields")
@@ -84,6 +124,7 @@ def main():
     parser.add_argument("--gates", default="gk", help="gk, g or both (gk,g)")
     parser.add_argument("--budget", type=float, default=240, help="seconds to start variants in")
     parser.add_argument("--quick", action="store_true", help="tiny shape, CPU interpreter")
+    parser.add_argument("--fla", action="store_true", help="also fla's kernel, per kernel")
     args = parser.parse_args()
     variants = [parse_variant(spec) for spec in (args.variants or VARIANTS)]
     run = Run(budget_s=None if args.quick else args.budget)
@@ -98,6 +139,11 @@ def main():
     run.log(f"device {jax.devices()[0].device_kind}; B{b} T{t} H{h}{f'/{kv}' if kv else ''} "
             f"K=V={d} bf16, chunk {chunk}")
     results = []
+    fla = None
+    if args.fla:
+        fla, why = peers.load_fla()
+        if fla is None:
+            run.not_run["fla"] = why
     for gate in args.gates.split(","):
         inputs, d_o = peers.gla_inputs(int(gate == "gk"), b, t, h, d, gate, kv_heads=kv)
         short, short_d_o = peers.prefix(inputs, check_len), d_o[:, :check_len]
@@ -135,6 +181,9 @@ def main():
                     print(f"  {label} {direction}: kernels (median ms per call, warm L2; launches)")
                     for kernel, ms, n in kernel_breakdown(fn, samples):
                         print(f"    {ms:8.4f}  x{n:g}  {kernel[:80]}")
+        if fla is not None and first is not None and not run.out_of_time(f"{gate} fla"):
+            results.append((f"{gate} fla", fla_probe(run, fla, gate, inputs, d_o, scale, samples,
+                                                    first)))
 
     print(f"\n{'variant':24s} {'direction':9s} {'min_ms':>8s} {'median_ms':>9s} {'max_ms':>8s}")
     for label, stats in results:

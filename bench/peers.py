@@ -125,13 +125,13 @@ def prefix(inputs: dict[str, jax.Array], length: int) -> dict[str, jax.Array]:
     return {name: x[:, :length] for name, x in inputs.items()}
 
 
-def fla_race(fla: dict, form: str, gate: str | None, inputs: dict[str, jax.Array], d_o: jax.Array,
-             scale: float, samples: int, broadcast: bool = False):
-    """fla's kernel racing ours of ``form`` ("chunked" or "recurrent") on our inputs (``query``,
-    ``key``, ``value`` and the gate ``gate``: "g", "gk", or None for none): :func:`torch_race`'s
-    output, gradients and times. fla (>= 0.2, ``[B, T, H, K]`` layouts) takes natural-log gates,
-    as ours. ``broadcast``: a scalar gate run through ``chunk_gla`` as a per-key gate equal along
-    K (the same function; the gradient of g is the sum of gk's along K)."""
+def fla_call(fla: dict, form: str, gate: str | None, scale: float,
+             broadcast: bool = False) -> Callable[[dict], Any]:
+    """fla's kernel racing ours of ``form`` ("chunked" or "recurrent") as a function of torch
+    copies of our inputs (``query``, ``key``, ``value`` and the gate ``gate``: "g", "gk", or None
+    for none) that returns the output. fla (>= 0.2, ``[B, T, H, K]`` layouts) takes natural-log
+    gates, as ours. ``broadcast``: a scalar gate run through ``chunk_gla`` as a per-key gate equal
+    along K (the same function; the gradient of g is the sum of gk's along K)."""
     kernel = fla["kernels"][form, "gk" if broadcast else (gate or "g")]
     # chunk_simple_gla, chunk_gla and fused_recurrent_simple_gla take the gate as g=;
     # fused_recurrent_gla as gk=.
@@ -146,6 +146,14 @@ def fla_race(fla: dict, form: str, gate: str | None, inputs: dict[str, jax.Array
         return kernel(t["query"], t["key"], t["value"], **gates, scale=scale, initial_state=None,
                       output_final_state=False)[0]
 
+    return call
+
+
+def fla_race(fla: dict, form: str, gate: str | None, inputs: dict[str, jax.Array], d_o: jax.Array,
+             scale: float, samples: int, broadcast: bool = False):
+    """:func:`fla_call`'s kernel on ``inputs``: :func:`torch_race`'s output, gradients and
+    times."""
+    call = fla_call(fla, form, gate, scale, broadcast)
     return torch_race(fla["torch"], call, inputs, d_o, samples)
 
 
