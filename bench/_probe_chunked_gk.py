@@ -84,6 +84,13 @@ def kernel_breakdown(fn, samples: int) -> list[tuple[str, float, float]]:
     return sorted(rows, key=lambda r: -r[1])
 
 
+def print_breakdown(title: str, fn, samples: int) -> None:
+    """:func:`kernel_breakdown` of ``fn``, a line a kernel."""
+    print(f"  {title}: kernels (median ms per call, warm L2; launches)")
+    for kernel, ms, n in kernel_breakdown(fn, samples):
+        print(f"    {ms:8.4f}  x{n:g}  {kernel[:80]}")
+
+
 def fla_probe(run, fla, gate, inputs, d_o, scale, samples, first) -> dict:
     """fla's kernel for ``gate`` on ``inputs``: checked against ``first`` (our first variant's
     output and gradients), timed (``peers.fla_race``), and each direction's kernels."""
@@ -111,9 +118,7 @@ def fla_probe(run, fla, gate, inputs, d_o, scale, samples, first) -> dict:
         torch.cuda.synchronize()
 
     for direction, fn in (("fwd", forward), ("fwd+bwd", forward_backward)):
-        print(f"  {label} {direction}: kernels (median ms per call, warm L2; launches)")
-        for kernel, ms, n in kernel_breakdown(fn, samples):
-            print(f"    {ms:8.4f}  x{n:g}  {kernel[:80]}")
+        print_breakdown(f"{label} {direction}", fn, samples)
     return stats
 
 
@@ -178,9 +183,7 @@ def main():
                     + ", ".join(f"{k} {v['median_ms']:.4g} ms" for k, v in stats.items()))
             if ejk_lite.ON_GPU:
                 for direction, fn in (("fwd", lambda: fwd(inputs)), ("fwd+bwd", lambda: fwd_bwd(inputs, d_o))):
-                    print(f"  {label} {direction}: kernels (median ms per call, warm L2; launches)")
-                    for kernel, ms, n in kernel_breakdown(fn, samples):
-                        print(f"    {ms:8.4f}  x{n:g}  {kernel[:80]}")
+                    print_breakdown(f"{label} {direction}", fn, samples)
         if fla is not None and first is not None and not run.out_of_time(f"{gate} fla"):
             results.append((f"{gate} fla", fla_probe(run, fla, gate, inputs, d_o, scale, samples,
                                                     first)))
