@@ -43,7 +43,8 @@ import numpy as np  # noqa: E402
 import chunked as race  # noqa: E402
 import ejk_lite  # noqa: E402
 import peers  # noqa: E402
-from common import Run, _gpu_events, compare, forward_and_backward, past_tolerance, time_stats_ms  # noqa: E402
+from common import (Run, _gpu_events, compare, device_samples_ms, forward_and_backward,  # noqa: E402
+                    past_tolerance, spread, time_stats_ms)
 from ejk_lite.chunked import ChunkedConfig, KernelConfig, chunked_recurrent  # noqa: E402
 from ejk_lite.linear_attention import reference  # noqa: E402
 
@@ -91,18 +92,27 @@ def print_breakdown(title: str, fn, samples: int) -> None:
         print(f"    {ms:8.4f}  x{n:g}  {kernel[:80]}")
 
 
-def fla_probe(run, fla, gate, inputs, d_o, scale, samples, first) -> dict:
+def fla_probe(run, fla, gate, inputs, d_o, scale, samples, first, directions) -> dict:
     """fla's kernel for ``gate`` on ``inputs``: checked against ``first`` (our first variant's
-    output and gradients), timed (``peers.fla_race``), and each direction's kernels."""
+    output and gradients), timed (``peers.fla_race``), and each direction's kernels. With
+    ``directions`` ("fwd",) only the forward runs (and only its kernels autotune): its output is
+    checked, timed the same way and broken down."""
     label = f"{gate} fla"
-    o, grads, stats = peers.fla_race(fla, "chunked", gate, inputs, d_o, scale, samples)
-    failures = past_tolerance(compare(o, grads, *first), jnp.bfloat16, f"{label} vs ours")
-    run.failures += failures
-    run.log(f"{label} ({'FAILED' if failures else 'checked'} against ours): "
-            + ", ".join(f"{k} {v['median_ms']:.4g} ms" for k, v in stats.items()))
     torch = fla["torch"]
     call = peers.fla_call(fla, "chunked", gate, scale)
     tensors = {name: peers.to_torch(torch, x) for name, x in inputs.items()}
+    if "fwd+bwd" in directions:
+        o, grads, stats = peers.fla_race(fla, "chunked", gate, inputs, d_o, scale, samples)
+        err = compare(o, grads, *first)
+    else:
+        with torch.no_grad():
+            o = peers.from_torch(call(tensors))
+            stats = {"fwd": spread(device_samples_ms(lambda: call(tensors), samples))}
+        err = compare(o, {}, first[0], {})
+    failures = past_tolerance(err, jnp.bfloat16, f"{label} vs ours")
+    run.failures += failures
+    run.log(f"{label} ({'FAILED' if failures else 'checked'} against ours): "
+            + ", ".join(f"{k} {v['median_ms']:.4g} ms" for k, v in stats.items()))
     leaves = {name: t.detach().requires_grad_(True) for name, t in tensors.items()}
     d_o_t = peers.to_torch(torch, d_o)
 
@@ -118,7 +128,8 @@ def fla_probe(run, fla, gate, inputs, d_o, scale, samples, first) -> dict:
         torch.cuda.synchronize()
 
     for direction, fn in (("fwd", forward), ("fwd+bwd", forward_backward)):
-        print_breakdown(f"{label} {direction}", fn, samples)
+        if direction in directions:
+            print_breakdown(f"{label} {direction}", fn, samples)
     return stats
 
 
@@ -130,12 +141,15 @@ def main():
     parser.add_argument("--budget", type=float, default=240, help="seconds to start variants in")
     parser.add_argument("--quick", action="store_true", help="tiny shape, CPU interpreter")
     parser.add_argument("--fla", action="store_true", help="also fla's kernel, per kernel")
+    parser.add_argument("--forward-only", action="store_true",
+                        help="time and break down the forward only (fla autotunes only it)")
     args = parser.parse_args()
     variants = [parse_variant(spec) for spec in (args.variants or VARIANTS)]
     run = Run(budget_s=None if args.quick else args.budget)
     shape = race.SHAPES[args.shape]
     b, t, h, d, kv = shape["batch"], shape["seq_len"], shape["heads"], shape["dim"], shape.get("kv_heads")
     samples, check_len = SAMPLES, CHECK_SEQ_LEN
+    directions = ("fwd",) if args.forward_only else ("fwd", "fwd+bwd")
     if args.quick:
         b, t, h, d, samples, check_len = 1, 40, 2, 32, 2, 40
         variants = variants[:2]
@@ -175,18 +189,20 @@ def main():
                 failures.append(f"{label}: non-finite output at full length")
             run.failures += failures
             del o, grads
-            stats = {"fwd": time_stats_ms(lambda: fwd(inputs), samples),
-                     "fwd+bwd": time_stats_ms(lambda: fwd_bwd(inputs, d_o), samples)}
+            stats = {"fwd": time_stats_ms(lambda: fwd(inputs), samples)}
+            if "fwd+bwd" in directions:
+                stats["fwd+bwd"] = time_stats_ms(lambda: fwd_bwd(inputs, d_o), samples)
             results.append((label, stats))
             errs = " ".join(f"{k} {v:.2g}" for k, v in err.items())
             run.log(f"{label} ({'FAILED' if failures else 'checked'}: {errs}): "
                     + ", ".join(f"{k} {v['median_ms']:.4g} ms" for k, v in stats.items()))
             if ejk_lite.ON_GPU:
                 for direction, fn in (("fwd", lambda: fwd(inputs)), ("fwd+bwd", lambda: fwd_bwd(inputs, d_o))):
-                    print_breakdown(f"{label} {direction}", fn, samples)
+                    if direction in directions:
+                        print_breakdown(f"{label} {direction}", fn, samples)
         if fla is not None and first is not None and not run.out_of_time(f"{gate} fla"):
             results.append((f"{gate} fla", fla_probe(run, fla, gate, inputs, d_o, scale, samples,
-                                                    first)))
+                                                    first, directions)))
 
     print(f"\n{'variant':24s} {'direction':9s} {'min_ms':>8s} {'median_ms':>9s} {'max_ms':>8s}")
     for label, stats in results:

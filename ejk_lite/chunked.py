@@ -62,6 +62,19 @@ one token at a time as a product (one key column per step, every row taking the 
 sequence (a short chunk) read ``a = 0``: no decay, so the sums and products cover exactly the
 tokens inside it.
 
+**Mild gates** (per-key gate, 16-bit inputs). All this care is for chunks whose decay is
+strong. Where no key column of a chunk decays by more than ``exp(-fast_decay)``
+(``ChunkedConfig``, 20 by default), the textbook factorisation is safe: ``exp(G_i) <= 1`` and
+``exp(-G_j) <= exp(20) = 4.9e8``, so ``A`` is one tensor-core product per K tile,
+``(q exp(G)) (k exp(-G))^T``, lower triangle kept, diagonal blocks included
+(``_gk_fast_kernel``). Its exponents are differences of sums of at most 20 in size: they lose
+about ``20 * 2^-24`` to rounding, far below a 16-bit input's own (``2^-8``, ``2^-11``), which is
+why float32 inputs never take it. A first pass over the chunk's gates decides, per chunk and
+head; the careful kernels take the other chunks (and any chunk with a NaN gate). With the gates
+a trained layer has (the benchmark's: ``log_sigmoid`` of ``N(4, 1)``, -0.03 a token, -4 at most
+over a chunk of 64) every chunk takes it; with log-gates of -1 a token and chunks of 64, none
+does.
+
 **Backward.** Write ``D`` for the gradient reaching ``H_next`` (one walk over the chunks in the
 other direction carries it: ``D_prev = exp(Gamma) * D + (scale q exp(G))^T do``). With
 ``dA_ij = do_i . v_j``::
@@ -105,9 +118,10 @@ _states_kernel        (V/BV, K/BK, N * H)    walks the chunks: H at every chunk'
 _attention_kernel     (NT, B * H)            A, the masked intra-chunk attention [BT, BT]
                                              (scalar gate or none); with a gate q exp(G),
                                              k exp(Gamma - G), Gamma, as the next
-_gk_attention_kernel  (NT, B * H)            the same with a per-key gate, but for the
-                                             diagonal sub-chunk blocks; and q exp(G),
-                                             k exp(Gamma - G), Gamma for the states and output
+_gk_fast_kernel       (NT, B * H)            per-key gate, mild chunks: A whole, q exp(G),
+                                             k exp(Gamma - G), Gamma; which chunks it took
+_gk_attention_kernel  (NT, B * H)            the same with a per-key gate, the other chunks,
+                                             but for the diagonal sub-chunk blocks
 _gk_diagonal_kernel   (NT * BT/BC, B * H)    per-key gates: A's diagonal sub-chunk blocks
 _output_kernel        (V/BV, NT, B * H)      o = scale (q exp(G)) H + A v
 _state_grads_kernel   (V/BV, K/BK, N * H)    walks the chunks backwards: D for every chunk,
@@ -146,6 +160,9 @@ __all__ = ["chunked_recurrent", "ChunkedConfig", "KernelConfig", "reference"]
 
 _TRITON_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
 _MAX_GRID_YZ = 65535  # CUDA's limit on the grid's 2nd and 3rd axes
+# fast_decay's ceiling: exp(40) = 2.4e17 keeps k exp(-G) and the masked products far from
+# float32's (and bfloat16's) overflow at 3.4e38 for any sane q and k.
+_MAX_FAST_DECAY = 40.0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -224,6 +241,15 @@ class ChunkedConfig:
     # forward + backward 2.969, 3.062 and 3.093 against 2.949 (per kernel, products at BK32 8
     # warps: 0.32 ms for the sums and rows, 0.20 for the products).
     attention: KernelConfig = KernelConfig()
+    # _gk_fast_kernel, one program per chunk. Measured (H200, bf16, B4 T4096 H16
+    # K=V=128, mild gates, per-kernel medians over one trace; bench/_probe_chunked_gk.py
+    # --forward-only, not recorded): 0.264 ms at BK32 2 warps 1 stage (2 stages 0.292, 3 0.285;
+    # one warp 0.379, BK16 2 warps 0.342, BK64 2 warps 0.493, BK64 4 warps 0.341, BK128 4 warps
+    # 0.340, 8 warps 0.368), against 0.407 + 0.267 for _gk_attention_kernel and
+    # _gk_diagonal_kernel. Its rows are addressed from the chunk's first row in 32 bits: with
+    # 64-bit offsets per element, as the other kernels, it took 0.386 ms at BK64 4 warps (0.341
+    # after).
+    fast: KernelConfig = KernelConfig(block_k=32, num_warps=2, num_stages=1)
     diagonal: KernelConfig = KernelConfig(block_k=128, num_warps=1)
     output: KernelConfig = KernelConfig()
     state_grads: KernelConfig = KernelConfig(block_v=32, num_stages=3)
@@ -233,6 +259,10 @@ class ChunkedConfig:
     inter_grads: KernelConfig = KernelConfig()
     sub_chunk: int = 16
     float32_dot: str = "tf32x3"
+    # The per-key gate's shortcut (_gk_fast_kernel) for chunks that decay by no more
+    # than exp(-fast_decay) in any key column, 16-bit inputs only; None: never. See the module
+    # docstring ("Mild gates") for the bound.
+    fast_decay: float | None = 20.0
 
     @classmethod
     def kernel_fields(cls) -> tuple[str, ...]:
@@ -252,6 +282,14 @@ class ChunkedConfig:
         if self.float32_dot not in ("tf32x3", "ieee"):
             raise ValueError(f"ChunkedConfig.float32_dot must be 'tf32x3' or 'ieee', got "
                              f"{self.float32_dot!r}")
+        bound = self.fast_decay
+        if bound is not None:
+            is_real = isinstance(bound, (int, float, np.integer, np.floating)) and not isinstance(
+                bound, (bool, np.bool_))
+            if not is_real or not 0.0 <= float(bound) <= _MAX_FAST_DECAY:
+                raise ValueError(f"ChunkedConfig.fast_decay must be None or a number in [0, "
+                                 f"{_MAX_FAST_DECAY:g}], got {bound!r}")
+            object.__setattr__(self, "fast_decay", float(bound))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -347,6 +385,19 @@ def _rows(r, i_c, start, end, row_base, BT: tl.constexpr, REVERSE: tl.constexpr)
         pos = start + i_c * BT + r
     valid = (pos >= start) & (pos < end) & (r >= 0) & (r < BT)
     return row_base + pos, valid
+
+
+@triton.jit
+def _first_row(i_c, start, BT: tl.constexpr, REVERSE: tl.constexpr):
+    """(token of walking row 0 of chunk ``i_c``, within the batch row; +1 or -1): walking row
+    ``r`` is token ``first + r * step`` (see :func:`_rows`)."""
+    if REVERSE:
+        first = start + (i_c + 1) * BT - 1
+        step = -1
+    else:
+        first = start + i_c * BT
+        step = 1
+    return first, step
 
 
 @triton.jit
@@ -561,14 +612,94 @@ def _attention_kernel(
 
 
 @triton.jit
+def _gk_fast_kernel(
+    q, k, a, cu_seqlens, chunk_indices, T, NT_SLOTS, num_seqs,
+    # outputs, for the chunks it takes (fast = 1): A [B * T, H, BT] whole, q exp(G),
+    # k exp(Gamma - G), Gamma, as _gk_attention_kernel and _gk_diagonal_kernel write them
+    # together; fast [B * NT_SLOTS, H] int32 for every chunk, 0 where they are to write them
+    A, qd, kd, gamma, fast,
+    H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, SCALE: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, FAST_DECAY: tl.constexpr,
+    REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr, F32_DOT: tl.constexpr,
+):
+    # Per-key gate, mild chunks (see "Mild gates" in the module docstring). One program per
+    # chunk. A first pass over the K tiles sums the chunk's log-decays per key column; if none
+    # is below -FAST_DECAY, A is one product per K tile, (q exp(G)) (k exp(-G))^T, lower
+    # triangle kept: exp(G_i) <= 1 and exp(-G_j) <= exp(FAST_DECAY), so nothing overflows
+    # (entries above the diagonal, dropped, are at most exp(FAST_DECAY) times q_i . k_j).
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    i_kv = i_h // (H // H_KV)
+    i_c, start, end = _chunk_of_program(cu_seqlens, chunk_indices, i_t, T, num_seqs, IS_VARLEN)
+    slot = i_b.to(tl.int64) * NT_SLOTS + i_t
+    if start + i_c * BT >= end:
+        return
+    # Addresses: the chunk's first walking row as one 64-bit offset, the rows from it in 32 bits
+    # (a [BT, BK] tile of 64-bit offsets costs twice the registers and instructions).
+    r = tl.arange(0, BT)
+    first, step = _first_row(i_c, start, BT, REVERSE)
+    rel = r * step  # rows from the first, in tokens
+    valid = (first + rel >= start) & (first + rel < end)
+    valid1 = (first + rel + step >= start) & (first + rel + step < end) & (r < BT - 1)
+    tok0 = i_b.to(tl.int64) * T + first
+    q += (tok0 * H + i_h) * K
+    k += (tok0 * H_KV + i_kv) * K
+    a += (tok0 * H + i_h) * K
+    qd += (tok0 * H + i_h) * K
+    kd += (tok0 * H + i_h) * K
+    A += (tok0 * H + i_h) * BT
+
+    least = 0.0  # the chunk's strongest decay over any key column, as a log
+    total = 0.0  # and the sum of every log-decay in it: NaN if any is
+    for i_k in range(0, tl.cdiv(K, BK)):
+        offs_k = i_k * BK + tl.arange(0, BK)
+        column = tl.sum(_load_gates(a, rel, valid, 0, offs_k, offs_k < K, H, K), axis=0)
+        least = tl.minimum(least, tl.min(column, axis=0))
+        total += tl.sum(column, axis=0)
+    # A chunk with a NaN gate is left to the careful kernels, which make NaN exactly the
+    # entries whose span holds it.
+    take = (least >= -FAST_DECAY) & (total == total)
+    tl.store(fast + slot * H + i_h, take.to(tl.int32))
+    if take:
+        b_A = tl.zeros([BT, BT], dtype=tl.float32)
+        for i_k in range(0, tl.cdiv(K, BK)):
+            offs_k = i_k * BK + tl.arange(0, BK)
+            mask_k = offs_k < K
+            b_q = _load_rows(q, rel, valid, offs_k, mask_k, H * K).to(tl.float32)
+            b_k = _load_rows(k, rel, valid, offs_k, mask_k, H_KV * K).to(tl.float32)
+            b_a = _load_gates(a, rel, valid, 0, offs_k, mask_k, H, K)
+            b_a1 = _load_gates(a, rel + step, valid1, 0, offs_k, mask_k, H, K)
+            # Direct sums, as _chunk_decays': from the chunk's start to i, from j to its end.
+            from_start = tl.cumsum(b_a, axis=0)
+            b_qg = b_q * tl.exp(from_start)
+            out = rel[:, None] * (H * K) + offs_k[None, :]
+            out_mask = valid[:, None] & mask_k[None, :]
+            tl.store(qd + out, b_qg.to(qd.dtype.element_ty), mask=out_mask)
+            tl.store(kd + out, (b_k * tl.exp(tl.cumsum(b_a1, axis=0, reverse=True))).to(kd.dtype.element_ty),
+                     mask=out_mask)
+            tl.store(gamma + (slot * H + i_h) * K + offs_k, tl.sum(b_a, axis=0), mask=mask_k)
+            # The product's operands: bfloat16 keeps float32's range; float16 may not hold
+            # k exp(-G), so its operands stay float32, multiplied as TF32 (float16's mantissa).
+            b_kg = b_k * tl.exp(-from_start)
+            if q.dtype.element_ty == tl.bfloat16:
+                b_qg, b_kg = b_qg.to(tl.bfloat16), b_kg.to(tl.bfloat16)
+            b_A = tl.dot(b_qg, tl.trans(b_kg), acc=b_A, input_precision=F32_DOT)
+        b_A = tl.where(r[:, None] >= r[None, :], b_A, 0.0)
+        tl.store(A + rel[:, None] * (H * BT) + r[None, :], (b_A * SCALE).to(A.dtype.element_ty),
+                 mask=valid[:, None])
+
+
+@triton.jit
 def _gk_attention_kernel(
     q, k, a, cu_seqlens, chunk_indices, T, NT_SLOTS, num_seqs,
-    # outputs: A [B * T, H, BT] as _attention_kernel's, but for its diagonal sub-chunk
-    # blocks (_gk_diagonal_kernel's); q exp(G) and k exp(Gamma - G) [B * T, H, K] in the
-    # query's dtype; Gamma [B * NT_SLOTS, H, K] fp32
-    A, qd, kd, gamma,
+    fast,  # [B * NT_SLOTS, H] int32: chunks _gk_fast_kernel took (USE_FAST), skipped
+    # outputs (aliased, as _gk_fast_kernel left them, with USE_FAST): A [B * T, H, BT]
+    # as _attention_kernel's, but for its diagonal sub-chunk blocks (_gk_diagonal_kernel's);
+    # q exp(G) and k exp(Gamma - G) [B * T, H, K] in the query's dtype; Gamma
+    # [B * NT_SLOTS, H, K] fp32
+    A_in, qd_in, kd_in, gamma_in, A, qd, kd, gamma,
     H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, SCALE: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, USE_FAST: tl.constexpr,
     REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr, F32_DOT: tl.constexpr,
 ):
     # Per-key gate. One program per chunk, every sub-chunk of it, a loop over K tiles: the blocks
@@ -581,6 +712,9 @@ def _gk_attention_kernel(
     i_c, start, end = _chunk_of_program(cu_seqlens, chunk_indices, i_t, T, num_seqs, IS_VARLEN)
     if start + i_c * BT >= end:
         return
+    if USE_FAST:
+        if tl.load(fast + (i_b.to(tl.int64) * NT_SLOTS + i_t) * H + i_h) != 0:
+            return
     row_base = i_b.to(tl.int64) * T
     NC: tl.constexpr = BT // BC
     r = tl.arange(0, BT)
@@ -640,11 +774,12 @@ def _gk_attention_kernel(
 
 @triton.jit
 def _gk_diagonal_kernel(
-    q, k, a, cu_seqlens, chunk_indices, T, num_seqs,
+    q, k, a, cu_seqlens, chunk_indices, T, NT_SLOTS, num_seqs,
+    fast,  # as _gk_attention_kernel's: chunks _gk_fast_kernel took, skipped
     A_in, A,  # A (aliased, from _gk_attention_kernel): its diagonal sub-chunk blocks written here
     H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, SCALE: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, UNROLL: tl.constexpr,
-    REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr,
+    USE_FAST: tl.constexpr, REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
     # Per-key gate. One program per sub-chunk: its [BC, BC] block of A, one key column j at a
     # time from the last; decay holds exp(sum of a over (j, i]) for the rows i > j (1 for the
@@ -658,6 +793,9 @@ def _gk_diagonal_kernel(
     i_c, start, end = _chunk_of_program(cu_seqlens, chunk_indices, i_t, T, num_seqs, IS_VARLEN)
     if start + i_c * BT >= end:
         return
+    if USE_FAST:
+        if tl.load(fast + (i_b.to(tl.int64) * NT_SLOTS + i_t) * H + i_h) != 0:
+            return
     row_base = i_b.to(tl.int64) * T
     c = tl.arange(0, BC)
     tok, valid = _rows(i_s * BC + c, i_c, start, end, row_base, BT, REVERSE)
@@ -1154,20 +1292,40 @@ def _forward_launch(static, query, key, value, a, h0, cu_seqlens):
         decayed_shapes = [per_head, per_head,
                           jax.ShapeDtypeStruct((batch * slots, num_heads, key_dim), jnp.float32)]
         if flags["USE_GK"]:
+            # Mild chunks first, in one product each; the careful kernels then take the others.
+            use_fast = cfg.fast_decay is not None and jnp.dtype(query.dtype) != jnp.float32
+            if use_fast:
+                block_k, _ = _fit(cfg.fast, key_dim, value_dim)
+                outs = triton_call(
+                    query, key, a, cu, chunk_indices, seq_len, slots, per_row,
+                    kernel=_gk_fast_kernel,
+                    out_shape=[A_shape, *decayed_shapes,
+                               jax.ShapeDtypeStruct((batch * slots, num_heads), jnp.int32)],
+                    grid=(slots, batch * num_heads), FAST_DECAY=cfg.fast_decay,
+                    **{**attention, "BK": block_k, "num_warps": cfg.fast.num_warps,
+                       "num_stages": cfg.fast.num_stages},
+                )
+                *outs, fast = outs
+            else:  # stand-ins, never read
+                outs = [_or_stand_in(None, x.dtype) for x in (A_shape, *decayed_shapes)]
+                fast = _or_stand_in(None, jnp.int32)
             A, q_decayed, k_decayed, gamma = triton_call(
-                query, key, a, cu, chunk_indices, seq_len, slots, per_row,
+                query, key, a, cu, chunk_indices, seq_len, slots, per_row, fast, *outs,
                 kernel=_gk_attention_kernel, out_shape=[A_shape, *decayed_shapes],
-                grid=(slots, batch * num_heads), BC=min(cfg.sub_chunk, bt), **attention,
+                input_output_aliases={6: 0, 7: 1, 8: 2, 9: 3} if use_fast else None,
+                grid=(slots, batch * num_heads), BC=min(cfg.sub_chunk, bt), USE_FAST=use_fast,
+                **attention,
             )
             sub = min(cfg.sub_chunk, bt)
             block_k, _ = _fit(cfg.diagonal, key_dim, value_dim)
             A = triton_call(
-                query, key, a, cu, chunk_indices, seq_len, per_row, A,
+                query, key, a, cu, chunk_indices, seq_len, slots, per_row, fast, A,
                 kernel=_gk_diagonal_kernel, out_shape=A_shape, grid=(slots * (bt // sub), batch * num_heads),
-                input_output_aliases={5: 0},
+                input_output_aliases={6: 0},
                 num_warps=cfg.diagonal.num_warps, num_stages=cfg.diagonal.num_stages,
                 H=num_heads, H_KV=num_kv_heads, K=key_dim, SCALE=static.scale, BT=bt, BC=sub, BK=block_k,
-                UNROLL=min(cfg.diagonal.unroll, sub), REVERSE=static.reverse, IS_VARLEN=flags["IS_VARLEN"],
+                UNROLL=min(cfg.diagonal.unroll, sub), USE_FAST=use_fast, REVERSE=static.reverse,
+                IS_VARLEN=flags["IS_VARLEN"],
             )
         else:
             A, q_decayed, k_decayed, gamma = triton_call(

@@ -250,6 +250,21 @@ def test_half_precision_packed_reverse(rng):
     check(rng, inputs, dtype=jnp.bfloat16, chunk_size=16, reverse=True, cu_seqlens=packing(lengths))
 
 
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("fast_decay", [20.0, None])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_mild_and_strong_chunks(rng, dtype, fast_decay, reverse):
+    """Per-key gates mild in most chunks (one product each, _gk_fast_kernel) and far past the
+    bound in one chunk of one head (the careful kernels), in one packed call; and with the
+    shortcut off (fast_decay None), the careful kernels everywhere."""
+    lengths = [40, 1, 23]
+    inputs = make_inputs(rng, batch=1, seq_len=sum(lengths), heads=2, kv_heads=2, key_dim=20,
+                         gates=("gk",), gate_scale=0.3, num_states=len(lengths))
+    inputs["gk"][:, 16:32, 1] *= 40
+    check(rng, inputs, dtype=dtype, chunk_size=16, reverse=reverse, cu_seqlens=packing(lengths),
+          config=ChunkedConfig(fast_decay=fast_decay))
+
+
 @pytest.mark.parametrize("use", [("output",), ("final_state",)])
 def test_only_one_result_used(rng, use):
     """The unused result's cotangent is a symbolic zero; the gradients must still be right."""
@@ -420,6 +435,8 @@ def test_bad_arguments(kwargs, argument):
     (lambda: KernelConfig(unroll=3), "unroll"),
     (lambda: ChunkedConfig(sub_chunk=8), "sub_chunk"), (lambda: ChunkedConfig(float32_dot="tf32"), "float32_dot"),
     (lambda: ChunkedConfig(states=(64, 64)), "states"),
+    (lambda: ChunkedConfig(fast_decay=-1.0), "fast_decay"), (lambda: ChunkedConfig(fast_decay=41), "fast_decay"),
+    (lambda: ChunkedConfig(fast_decay="20"), "fast_decay"), (lambda: ChunkedConfig(fast_decay=True), "fast_decay"),
 ])
 def test_bad_config(make, field):
     with pytest.raises(ValueError, match=field):
