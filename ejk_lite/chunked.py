@@ -70,10 +70,11 @@ strong. Where no key column of a chunk decays by more than ``exp(-fast_decay)``
 (``_gk_fast_kernel``). Its exponents are differences of sums of at most 20 in size: they lose
 about ``20 * 2^-24`` to rounding, far below a 16-bit input's own (``2^-8``, ``2^-11``), which is
 why float32 inputs never take it. A first pass over the chunk's gates decides, per chunk and
-head; the careful kernels take the other chunks (and any chunk with a NaN gate). With the gates
-a trained layer has (the benchmark's: ``log_sigmoid`` of ``N(4, 1)``, -0.03 a token, -4 at most
-over a chunk of 64) every chunk takes it; with log-gates of -1 a token and chunks of 64, none
-does.
+head, and the backward follows its flags (``_gk_fast_grads_kernel``: ``dq~`` and ``dk~`` as two
+products through the same factors); the careful kernels take the other chunks (and any chunk
+with a NaN gate). With the gates a trained layer has (the benchmark's: ``log_sigmoid`` of
+``N(4, 1)``, -0.03 a token, -4 at most over a chunk of 64) every chunk takes it; with log-gates
+of -1 a token and chunks of 64, none does.
 
 **Backward.** Write ``D`` for the gradient reaching ``H_next`` (one walk over the chunks in the
 other direction carries it: ``D_prev = exp(Gamma) * D + (scale q exp(G))^T do``). With
@@ -127,7 +128,10 @@ _output_kernel        (V/BV, NT, B * H)      o = scale (q exp(G)) H + A v
 _state_grads_kernel   (V/BV, K/BK, N * H)    walks the chunks backwards: D for every chunk,
                                              d initial_state
 _dA_kernel            (NT, B * H)            dA = do v^T (masked); the scalar gate's intra dG
-_intra_grads_kernel   (K/BK, NT, B * H)      per-key gates only: dq, dk, dG inside the chunk
+_gk_fast_grads_kernel (K/BK, NT, B * H)      per-key gate, the chunks _gk_fast_kernel took:
+                                             dq, dk, dG inside the chunk, two products
+_intra_grads_kernel   (K/BK, NT, B * H)      per-key gates only: dq, dk, dG inside the chunk,
+                                             the other chunks
 _dv_kernel            (V/BV, NT, B * H)      dv = A^T do + (k exp(Gamma - G)) D
 _inter_grads_kernel   (K/BK, NT, B * H)      dq, dk, dG: the state terms, plus the intra-chunk
                                              ones (computed here for scalar gates)
@@ -250,6 +254,10 @@ class ChunkedConfig:
     # 64-bit offsets per element, as the other kernels, it took 0.386 ms at BK64 4 warps (0.341
     # after).
     fast: KernelConfig = KernelConfig(block_k=32, num_warps=2, num_stages=1)
+    # _gk_fast_grads_kernel (same shape and gates as fast): 0.338 ms at BK64 4 warps (1 stage
+    # 0.338; BK32 2 warps 0.495, BK32 4 warps 0.466, BK64 8 warps 0.424, BK128 8 warps 0.386),
+    # against 1.015 for _intra_grads_kernel alone; forward + backward 2.578 -> 1.931 ms.
+    fast_grads: KernelConfig = KernelConfig()
     diagonal: KernelConfig = KernelConfig(block_k=128, num_warps=1)
     output: KernelConfig = KernelConfig()
     state_grads: KernelConfig = KernelConfig(block_v=32, num_stages=3)
@@ -950,12 +958,70 @@ def _dA_kernel(
 
 
 @triton.jit
+def _gk_fast_grads_kernel(
+    q, k, a, dA, cu_seqlens, chunk_indices, T, NT_SLOTS, num_seqs,
+    fast,  # [B * NT_SLOTS, H] int32: the chunks the forward's _gk_fast_kernel took
+    dq, dk, dg,  # outputs [B * T, H, K] fp32, as _intra_grads_kernel's, for those chunks
+    H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, SCALE: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr,
+    REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr, F32_DOT: tl.constexpr,
+):
+    # Per-key gate, mild chunks: _intra_grads_kernel's sums as two products through exp(G) and
+    # exp(-G), as _gk_fast_kernel formed A (the same bound holds: the forward decided):
+    #     dq~ = exp(G) * ((dA below the diagonal) (k exp(-G)))
+    #     dk~ = exp(-G) * ((dA below the diagonal)^T (scale q exp(G)))
+    # One program: one chunk, one K tile.
+    i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    i_kv = i_h // (H // H_KV)
+    i_c, start, end = _chunk_of_program(cu_seqlens, chunk_indices, i_t, T, num_seqs, IS_VARLEN)
+    if start + i_c * BT >= end:
+        return
+    if tl.load(fast + (i_b.to(tl.int64) * NT_SLOTS + i_t) * H + i_h) == 0:
+        return
+    r = tl.arange(0, BT)
+    first, step = _first_row(i_c, start, BT, REVERSE)
+    rel = r * step
+    valid = (first + rel >= start) & (first + rel < end)
+    tok0 = i_b.to(tl.int64) * T + first  # addresses as _gk_fast_kernel's
+    offs_k = i_k * BK + tl.arange(0, BK)
+    mask_k = offs_k < K
+
+    b_q = _load_rows(q + (tok0 * H + i_h) * K, rel, valid, offs_k, mask_k, H * K).to(tl.float32) * SCALE
+    b_k = _load_rows(k + (tok0 * H_KV + i_kv) * K, rel, valid, offs_k, mask_k, H_KV * K).to(tl.float32)
+    b_a = _load_gates(a + (tok0 * H + i_h) * K, rel, valid, 0, offs_k, mask_k, H, K)
+    b_da = tl.load(dA + (tok0 * H + i_h) * BT + rel[:, None] * (H * BT) + r[None, :], mask=valid[:, None],
+                   other=0.0)
+    from_start = tl.cumsum(b_a, axis=0)
+    to_query, to_key = tl.exp(from_start), tl.exp(-from_start)
+    below = tl.where(r[:, None] > r[None, :], b_da, 0.0)
+    b_qg, b_kg = b_q * to_query, b_k * to_key
+    if q.dtype.element_ty == tl.bfloat16:  # operands as _gk_fast_kernel's
+        below, b_qg, b_kg = below.to(tl.bfloat16), b_qg.to(tl.bfloat16), b_kg.to(tl.bfloat16)
+    b_dq = tl.dot(below, b_kg, input_precision=F32_DOT) * to_query
+    b_dk = tl.dot(tl.trans(below), b_qg, input_precision=F32_DOT) * to_key
+    # dG from the terms that depend on the gates; then the diagonal dA_ii, as _intra_grads_kernel.
+    b_dg = b_q * b_dq - b_k * b_dk
+    diag = tl.sum(tl.where(r[:, None] == r[None, :], b_da, 0.0), axis=1)
+    b_dq += diag[:, None] * b_k
+    b_dk += diag[:, None] * b_q
+    out = (tok0 * H + i_h) * K + rel[:, None] * (H * K) + offs_k[None, :]
+    out_mask = valid[:, None] & mask_k[None, :]
+    tl.store(dq + out, b_dq, mask=out_mask)
+    tl.store(dk + out, b_dk, mask=out_mask)
+    tl.store(dg + out, b_dg, mask=out_mask)
+
+
+@triton.jit
 def _intra_grads_kernel(
-    q, k, a, dA, cu_seqlens, chunk_indices, T, num_seqs,
-    dq, dk, dg,  # outputs [B * T, H, K] fp32: intra-chunk dq~ (w.r.t. scale q), dk, dG
+    q, k, a, dA, cu_seqlens, chunk_indices, T, NT_SLOTS, num_seqs,
+    fast,  # with USE_FAST: chunks _gk_fast_grads_kernel took, skipped
+    # outputs [B * T, H, K] fp32: intra-chunk dq~ (w.r.t. scale q), dk, dG (aliased, as
+    # _gk_fast_grads_kernel left them, with USE_FAST)
+    dq_in, dk_in, dg_in, dq, dk, dg,
     H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, SCALE: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, UNROLL: tl.constexpr,
-    REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr, F32_DOT: tl.constexpr,
+    USE_FAST: tl.constexpr, REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr, F32_DOT: tl.constexpr,
 ):
     # Per-key gates only. One program: one chunk (every sub-chunk), one K tile; the decays are
     # formed as in _gk_attention_kernel. Token i as a query sees keys j <= i; as a key, queries
@@ -967,6 +1033,9 @@ def _intra_grads_kernel(
     i_c, start, end = _chunk_of_program(cu_seqlens, chunk_indices, i_t, T, num_seqs, IS_VARLEN)
     if start + i_c * BT >= end:
         return
+    if USE_FAST:
+        if tl.load(fast + (i_b.to(tl.int64) * NT_SLOTS + i_t) * H + i_h) != 0:
+            return
     row_base = i_b.to(tl.int64) * T
     r = tl.arange(0, BT)
     sub, local = r // BC, r % BC
@@ -1293,7 +1362,7 @@ def _forward_launch(static, query, key, value, a, h0, cu_seqlens):
                           jax.ShapeDtypeStruct((batch * slots, num_heads, key_dim), jnp.float32)]
         if flags["USE_GK"]:
             # Mild chunks first, in one product each; the careful kernels then take the others.
-            use_fast = cfg.fast_decay is not None and jnp.dtype(query.dtype) != jnp.float32
+            use_fast = _uses_fast(static, query.dtype, a)
             if use_fast:
                 block_k, _ = _fit(cfg.fast, key_dim, value_dim)
                 outs = triton_call(
@@ -1357,11 +1426,19 @@ def _forward_launch(static, query, key, value, a, h0, cu_seqlens):
         H=num_heads, H_KV=num_kv_heads, K=key_dim, V=value_dim, SCALE=static.scale, BT=bt, BK=block_k,
         BV=block_v, REVERSE=static.reverse, IS_VARLEN=flags["IS_VARLEN"], F32_DOT=precision,
     )
-    return (o, final_state, A, *decayed)
+    fast = fast.reshape(batch, slots, num_heads) if _uses_fast(static, query.dtype, a) \
+        else _or_stand_in(None, jnp.int32)
+    return (o, final_state, A, *decayed, fast)
+
+
+def _uses_fast(static, dtype, a) -> bool:
+    """Whether the per-key gate's mild chunks take one product each (_gk_fast_kernel)."""
+    return (a is not None and a.ndim == 4 and static.config.fast_decay is not None
+            and jnp.dtype(dtype) != jnp.float32)
 
 
 def _backward_launch(static, query, key, value, a, h0, cu_seqlens, A, d_o, d_final_state,
-                     q_decayed, k_decayed, gamma):
+                     q_decayed, k_decayed, gamma, fast):
     """The backward kernels: ``(dq, dk, dv, dg_terms, d initial_state)``, dk and dv per query head.
     With a gate the states, D and dv take the forward's decayed q and k and Gamma."""
     batch, seq_len, num_heads, key_dim = query.shape
@@ -1421,16 +1498,30 @@ def _backward_launch(static, query, key, value, a, h0, cu_seqlens, A, d_o, d_fin
     )
 
     if use_gk:
+        # The chunks the forward took in one product, likewise; the careful kernel the others.
+        use_fast = fast is not None
+        if use_fast:
+            block_k, _ = _fit(cfg.fast_grads, key_dim, value_dim)
+            intra = triton_call(
+                query, key, a, dA, cu, chunk_indices, seq_len, slots, per_row, fast,
+                kernel=_gk_fast_grads_kernel, out_shape=[per_token(key_dim)] * 3,
+                grid=(cdiv(key_dim, block_k), slots, batch * num_heads),
+                num_warps=cfg.fast_grads.num_warps, num_stages=cfg.fast_grads.num_stages,
+                H_KV=num_kv_heads, SCALE=static.scale, BK=block_k, **common,
+            )
+        else:  # stand-ins, never read
+            intra, fast = [jnp.zeros((1,), f32)] * 3, jnp.zeros((1,), jnp.int32)
         sub = min(cfg.sub_chunk, bt)
         block_k, _ = _fit(cfg.intra_grads, key_dim, value_dim)
         dq_intra, dk_intra, dg_intra = triton_call(
-            query, key, a, dA, cu, chunk_indices, seq_len, per_row,
+            query, key, a, dA, cu, chunk_indices, seq_len, slots, per_row, fast, *intra,
             kernel=_intra_grads_kernel,
             out_shape=[per_token(key_dim)] * 3,
+            input_output_aliases={7: 0, 8: 1, 9: 2} if use_fast else None,
             grid=(cdiv(key_dim, block_k), slots, batch * num_heads),
             num_warps=cfg.intra_grads.num_warps, num_stages=cfg.intra_grads.num_stages,
             H_KV=num_kv_heads, SCALE=static.scale, BC=sub, BK=block_k,
-            UNROLL=min(cfg.intra_grads.unroll, sub), **common,
+            UNROLL=min(cfg.intra_grads.unroll, sub), USE_FAST=use_fast, **common,
         )
     else:
         dq_intra = dk_intra = jnp.zeros((1,), f32)
@@ -1476,7 +1567,7 @@ def _backward_launch(static, query, key, value, a, h0, cu_seqlens, A, d_o, d_fin
 # and the decayed q, k and Gamma have one (axis 0); cu_seqlens has none (mapped, the launches run
 # one element at a time).
 _FWD_IN_AXES = (0, 0, 0, 0, 0, None)
-_BWD_IN_AXES = (0, 0, 0, 0, 0, None, 0, 0, 0, 0, 0, 0)
+_BWD_IN_AXES = (0, 0, 0, 0, 0, None, 0, 0, 0, 0, 0, 0, 0)
 
 
 def _valid_tokens(cu_seqlens, seq_len):
@@ -1499,15 +1590,16 @@ def _forward(static, query, key, value, a, h0, cu_seqlens):
         state = jnp.zeros((num_seqs, num_heads, key_dim, value_dim), jnp.float32) if h0 is None else h0
         A = jnp.zeros((batch, seq_len, num_heads, static.chunk_size), _scores_dtype(query.dtype, a))
         return o, state.astype(jnp.float32), A, None
-    use_g = a is not None
+    use_g, use_fast = a is not None, _uses_fast(static, query.dtype, a)
     launch = vmap_by_folding(functools.partial(_forward_launch, static), in_axes=_FWD_IN_AXES,
-                             out_axes=(0, 0, 0) + (0 if use_g else None,) * 3)
-    o, final_state, A, *decayed = launch(query, key, value, a, h0, cu_seqlens)
+                             out_axes=(0, 0, 0) + (0 if use_g else None,) * 3 + (0 if use_fast else None,))
+    o, final_state, A, *decayed, fast = launch(query, key, value, a, h0, cu_seqlens)
     valid = _valid_tokens(cu_seqlens, seq_len)
     if valid is not None:
         o = jnp.where(valid, o, 0).astype(o.dtype)
-    # With a gate: q exp(G), k exp(Gamma - G) and Gamma, for the backward.
-    return o, final_state, A, tuple(decayed) if use_g else None
+    # With a gate: q exp(G), k exp(Gamma - G) and Gamma, for the backward; and which chunks the
+    # per-key gate took in one product (else None).
+    return o, final_state, A, (*decayed, fast if use_fast else None) if use_g else None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -1547,7 +1639,7 @@ def _chunked_bwd(static, residuals, cotangents):
         launch = vmap_by_folding(functools.partial(_backward_launch, static), in_axes=_BWD_IN_AXES,
                                  out_axes=out_axes)
         dq, dk, dv, dg_terms, dh0 = launch(query, key, value, a, h0, cu_seqlens, A, d_o.astype(query.dtype),
-                                           d_final_state, *(decayed or (None,) * 3))
+                                           d_final_state, *(decayed or (None,) * 4))
         valid = _valid_tokens(cu_seqlens, seq_len)
         if valid is not None:
             dq, dk, dv = (jnp.where(valid, x, 0) for x in (dq, dk, dv))

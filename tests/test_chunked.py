@@ -208,7 +208,7 @@ def test_several_tiles_and_sub_chunks(rng, packed):
     their walks unrolled by two."""
     tiles = KernelConfig(block_k=16, block_v=16, num_warps=2, num_stages=1, unroll=2)
     every_kernel = ChunkedConfig.kernel_fields()
-    assert len(every_kernel) == 9, every_kernel
+    assert len(every_kernel) == 11, every_kernel
     config = ChunkedConfig(**dict.fromkeys(every_kernel, tiles), sub_chunk=32, float32_dot="ieee")
     options = dict(chunk_size=64, config=config)
     if packed:
