@@ -376,10 +376,13 @@ def linear_attention(fn: Callable[..., tuple[Array, Array]], *, query: Array, ke
     scale = static_float(softmax_scale, "softmax_scale") if softmax_scale is not None else (
         key_dim ** -0.5 if key_dim > 0 else 1.0)
     weight = jnp.where(mask, 1.0 if a is None else jnp.exp(running_a), 0.0)
+    q = scale * query.astype(jnp.float32) * weight
+    state = h_in
     narrow = jnp.dtype(query.dtype).itemsize == 2
-    rounded = (lambda x: x.astype(query.dtype).astype(jnp.float32)) if narrow else (lambda x: x)
-    q = rounded(scale * query.astype(jnp.float32) * weight)
-    correction = jnp.einsum("blhk,bhkv->blhv", q, rounded(h_in), precision=(
+    if narrow:
+        q = q.astype(query.dtype).astype(jnp.float32)
+        state = state.astype(query.dtype).astype(jnp.float32)
+    correction = jnp.einsum("blhk,bhkv->blhv", q, state, precision=(
         jax.lax.Precision.DEFAULT if narrow else jax.lax.Precision.HIGHEST))
     if b is not None:
         correction = correction * jnp.exp(running_b)
