@@ -141,6 +141,8 @@ def main():
     parser.add_argument("--budget", type=float, default=240, help="seconds to start variants in")
     parser.add_argument("--quick", action="store_true", help="tiny shape, CPU interpreter")
     parser.add_argument("--fla", action="store_true", help="also fla's kernel, per kernel")
+    parser.add_argument("--strong", action="store_true",
+                        help="strong decays (peers.gla_inputs' strong): the careful kernels")
     parser.add_argument("--forward-only", action="store_true",
                         help="time and break down the forward only (fla autotunes only it)")
     args = parser.parse_args()
@@ -164,7 +166,8 @@ def main():
         if fla is None:
             run.not_run["fla"] = why
     for gate in args.gates.split(","):
-        inputs, d_o = peers.gla_inputs(int(gate == "gk"), b, t, h, d, gate, kv_heads=kv)
+        inputs, d_o = peers.gla_inputs(int(gate == "gk"), b, t, h, d, gate, kv_heads=kv,
+                                       strong=args.strong)
         short, short_d_o = peers.prefix(inputs, check_len), d_o[:, :check_len]
         wide = {n: x.astype(jnp.float32) for n, x in short.items()}
         ref_fwd_bwd = forward_and_backward(lambda x: reference(**x, softmax_scale=scale)[0])[1]

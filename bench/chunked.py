@@ -6,7 +6,10 @@ of the output with a random cotangent; the final state is not used):
 * a scalar gate ``g`` ``[B, T, H]``: peers ``fla.ops.simple_gla.chunk_simple_gla`` and
   ``fused_recurrent_simple_gla``;
 * a per-key gate ``gk`` ``[B, T, H, K]``: peers ``fla.ops.gla.chunk_gla`` (which calls it ``g``)
-  and ``fused_recurrent_gla``.
+  and ``fused_recurrent_gla``; mild, as a trained layer's, so that every chunk takes our
+  one-product shortcut (``ejk_lite.chunked``, "Mild gates");
+* at the first shape also ``gk-strong`` (rows named "... gk strong"): the per-key gate with
+  strong decays, where every chunk takes our careful kernels. The same peers.
 
 Our chunked op races fla's chunk kernel; our token-by-token :func:`ejk_lite.recurrent` races fla's
 fused recurrent one. The grouped-heads shape (``kv_heads``) runs ours only: fla has no grouped
@@ -98,7 +101,13 @@ SHAPES = [dict(batch=4, seq_len=4096, heads=16, dim=128),
           dict(batch=4, seq_len=4096, heads=16, kv_heads=4, dim=128)]  # grouped: ours only
 QUICK_SHAPES = [dict(batch=1, seq_len=40, heads=2, dim=16),  # 40: a short last chunk (C = 16)
                 dict(batch=1, seq_len=40, heads=2, kv_heads=1, dim=16)]
-GATES = ("g", "gk")
+GATES = ("g", "gk", "gk-strong")
+# "gk-strong": the per-key gate with strong decays (peers.gla_inputs' strong), at these shapes
+# only: every chunk then takes our careful kernels, none the one-product shortcut
+# (ejk_lite.chunked, "Mild gates"); fla's kernels are the same for either. Its rows: gate "gk",
+# "strong": true, named "<shape> gk strong".
+STRONG = "gk-strong"
+STRONG_SHAPES = (0,)
 CHECK_SEQ_LEN = 256  # prefix checked against the float32 reference (quick: the whole sequence)
 SAMPLES = 10
 QUICK_SAMPLES = 3
@@ -115,6 +124,11 @@ def functions(op, scale):
     """``op``'s output jitted, and its output and the gradients of every input for a cotangent
     of the output (final state unused)."""
     return forward_and_backward(lambda inputs: op(**inputs, softmax_scale=scale)[0])
+
+
+def case_name(shape: dict, case: str) -> str:
+    """A row's name: the shape and the case of ``GATES`` ("gk-strong" as "gk strong")."""
+    return f"{shape_name(shape)} {'gk strong' if case == STRONG else case}"
 
 
 def shape_name(shape: dict) -> str:
@@ -154,11 +168,15 @@ def run_shape(run, index, shape, ops, fla, samples, quick, copy_gbs, rows, refus
     h_kv = shape.get("kv_heads") or h
     scale = d ** -0.5
     check_len = t if quick else min(t, CHECK_SEQ_LEN)
-    for gate in gates:
-        name = f"{shape_name(shape)} {gate}"
-        # Inputs seeded by the shape's index and the gate: the same with or without --merge.
+    for case in gates:
+        if case == STRONG and index not in STRONG_SHAPES:
+            continue
+        name = case_name(shape, case)
+        gate, strong = ("gk", True) if case == STRONG else (case, False)
+        # Inputs seeded by the shape's index and the gate: the same with or without --merge
+        # (the strong gate's q, k, v and logits are the mild one's, shifted).
         inputs, d_o = peers.gla_inputs(2 * index + (gate == "gk"), b, t, h, d, gate,
-                                       shape.get("kv_heads"))
+                                       shape.get("kv_heads"), strong=strong)
         dims = [b, t, h, d]
         # Fewest bytes, bf16: q, k, v, the gate and o once (fwd); fwd+bwd: those and d_o read,
         # o and every input's gradient written: twice as many (ejk_lite.notebook.chunked_cost).
@@ -207,7 +225,8 @@ def run_shape(run, index, shape, ops, fla, samples, quick, copy_gbs, rows, refus
                     extra["speedup_vs_fla"] = fla_stats[direction]["median_ms"] / st["median_ms"]
                 rows.append(row(name, impl, direction, dims, "bfloat16", stats=st,
                                 bytes_moved=bytes_moved[direction], copy_gbs=copy_gbs,
-                                rel_err=worst(err_ref, direction), gate=gate, **extra))
+                                rel_err=worst(err_ref, direction), gate=gate, strong=strong,
+                                **extra))
             run.log(f"{name} {impl}: fwd {stats['fwd']['median_ms']:.4g} ms, fwd+bwd "
                     f"{stats['fwd+bwd']['median_ms']:.4g} ms; vs reference {fmt_err(err_ref)}"
                     + (f"; vs {peer_name} {fmt_err(err_fla)}" if err_fla else ""))
@@ -215,8 +234,8 @@ def run_shape(run, index, shape, ops, fla, samples, quick, copy_gbs, rows, refus
                 for direction in ("fwd", "fwd+bwd"):
                     rows.append(row(name, FLA_IMPL[impl], direction, dims, "bfloat16",
                                     stats=fla_stats[direction], bytes_moved=bytes_moved[direction],
-                                    copy_gbs=copy_gbs, gate=gate, peer=peer_name, races=impl,
-                                    kv_heads=h_kv))
+                                    copy_gbs=copy_gbs, gate=gate, strong=strong, peer=peer_name,
+                                    races=impl, kv_heads=h_kv))
             del peer
         del inputs, d_o
         run.log(f"wrote {write()}")  # after every gate: a run cut short keeps what it finished
@@ -263,7 +282,7 @@ def main():
                             help="keep the file in --out's rows of the other (shape, gate) pairs "
                                  "(same commit)")
         parser.add_argument("--gates", default=",".join(GATES),
-                            help=f"the gates to run, of {','.join(GATES)} (default both)")
+                            help=f"the gates to run, of {','.join(GATES)} (default all)")
         parser.add_argument("--refusals", help="an earlier results file whose fla refusals hold "
                             "here (same fla, torch, Triton and device: checked)")
 
@@ -275,7 +294,8 @@ def main():
     gates = list(dict.fromkeys(args.gates.split(",")))  # each once, in the order given
     if not gates or any(g not in GATES for g in gates):
         sys.exit(f"--gates: each of {', '.join(GATES)}, got {args.gates!r}")
-    this_run = [f"{shape_name(s)} {g}" for _, s in shapes for g in gates]
+    this_run = [case_name(s, g) for i, s in shapes for g in gates
+                if g != STRONG or i in STRONG_SHAPES]
     samples = QUICK_SAMPLES if quick else SAMPLES
     ops = dict(OURS)
     if quick:
@@ -302,8 +322,8 @@ def main():
         # Every (shape, gate) of the benchmark not in the file yet: it passes only with none
         # (a run cut short, or one of some shapes, is not the race).
         done = {r["name"] for r in rows}
-        pending = [p for p in (f"{shape_name(s)} {g}" for s in every for g in GATES)
-                   if p not in done]
+        pending = [p for p in (case_name(s, g) for i, s in enumerate(every) for g in GATES
+                               if g != STRONG or i in STRONG_SHAPES) if p not in done]
         payload = dict(
             commit=commit(), commands=[*earlier, " ".join(sys.argv)], quick=quick,
             copy_bandwidth_gbs=copy_gbs,
@@ -336,6 +356,9 @@ def main():
                    "racing fla kernel's result as the reference). fla rows: 'races' names our op "
                    "it races (impl 'fla': the chunk kernels; 'fla_recurrent': the fused "
                    "recurrent ones). H16/4: 16 query heads, 4 key/value heads (ours only). "
+                   "Gates: log_sigmoid(N(4, 1)) (mild: every chunk takes ours' one-product "
+                   "shortcut); rows with strong true ('gk strong'): log_sigmoid(N(0, 1)), every "
+                   "chunk ours' careful kernels. "
                    "bytes: each input and output once."),
         )
         return write_result(args.out, OP, payload)

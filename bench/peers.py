@@ -104,10 +104,13 @@ def load_fla() -> tuple[dict | None, str | None]:
 
 
 def gla_inputs(seed: int, batch: int, seq_len: int, heads: int, dim: int, gate: str | None,
-               kv_heads: int | None = None) -> tuple[dict[str, jax.Array], jax.Array]:
+               kv_heads: int | None = None, strong: bool = False
+               ) -> tuple[dict[str, jax.Array], jax.Array]:
     """What ours and fla's kernels both take, bf16 fresh normals: ``query`` ``[B, T, H, K]``,
     ``key`` and ``value`` (``kv_heads`` heads), and a log-decay gate, ``g`` ``[B, T, H]`` or
-    ``gk`` ``[B, T, H, K]`` (``gate`` None: none); and a cotangent of the output."""
+    ``gk`` ``[B, T, H, K]`` (``gate`` None: none); and a cotangent of the output. ``strong``:
+    ``log_sigmoid`` of ``N(0, 1)`` instead, -0.8 a token, every chunk of 64 past
+    ``ChunkedConfig.fast_decay`` (20)."""
     kq, kk, kv, kg, kd = jax.random.split(jax.random.key(seed), 5)
     shape = (batch, seq_len, heads, dim)
     kv_shape = (batch, seq_len, kv_heads or heads, dim)
@@ -115,7 +118,8 @@ def gla_inputs(seed: int, batch: int, seq_len: int, heads: int, dim: int, gate: 
                   key=jax.random.normal(kk, kv_shape, jnp.bfloat16),
                   value=jax.random.normal(kv, kv_shape, jnp.bfloat16))
     if gate is not None:  # log-decays in (-inf, 0), most of them mild, as a trained GLA layer has
-        logits = jax.random.normal(kg, shape[:3] if gate == "g" else shape, jnp.float32) + 4.0
+        logits = jax.random.normal(kg, shape[:3] if gate == "g" else shape, jnp.float32) + (
+            0.0 if strong else 4.0)
         inputs[gate] = jax.nn.log_sigmoid(logits).astype(jnp.bfloat16)
     return inputs, jax.random.normal(kd, shape, jnp.bfloat16)
 
