@@ -363,6 +363,30 @@ def test_vmap_and_grad(rng, gates):
             assert rel_err(grads[name][i], grad[name]) <= 1e-6, name
 
 
+def test_vmap_and_grad_mild_and_strong_chunks(rng):
+    """bfloat16 per-key gates, one element mild everywhere (one product a chunk), the other with
+    a strong chunk (the careful kernels there): the forward's flags folded and unfolded with the
+    batch; vmap of the gradient equals a loop."""
+    per_item = []
+    for strong in (False, True):
+        item = make_inputs(rng, seq_len=40, key_dim=20, gates=("gk",), gate_scale=0.3)
+        if strong:
+            item["gk"][:, 16:32] *= 40
+        per_item.append({n: jnp.asarray(x, jnp.bfloat16) for n, x in item.items()})
+    stacked = jax.tree.map(lambda *x: jnp.stack(x), *per_item)
+
+    def loss(inputs):
+        o, state = chunked_recurrent(**inputs, chunk_size=16)
+        return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(state ** 2)
+
+    values, grads = jax.vmap(jax.value_and_grad(loss))(stacked)
+    for i, item in enumerate(per_item):
+        value, grad = jax.value_and_grad(loss)(item)
+        assert rel_err(values[i], value) <= 1e-6
+        for name in item:
+            assert rel_err(grads[name][i], grad[name]) <= 1e-6, name
+
+
 def test_vmap_mapped_cu_seqlens(rng):
     """Each element its own packing: the launches run one element at a time; equals a loop."""
     inputs = {n: jnp.asarray(x, jnp.float32) for n, x in
