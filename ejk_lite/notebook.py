@@ -31,10 +31,11 @@ import re
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
-__all__ = ["H100_SXM", "Cost", "Floor", "Peaks", "check_exercise", "code_diff", "compare_times",
+__all__ = ["DATASHEETS", "H100_SXM", "H200_SXM", "Cost", "Floor", "Peaks", "check_exercise", "code_diff", "compare_times",
            "floor_ms",
            "live_figure", "recorded_label", "recorded_results", "roofline_figure",
-           "roofline_rows", "roofline_table", "row_cost", "show_code", "show_diff", "source_of"]
+           "peaks_of", "roofline_rows", "roofline_table", "row_cost", "show_code", "show_diff",
+           "source_of"]
 
 
 def live_figure(draw: Callable[..., Any], placeholder: str | None = None,
@@ -310,9 +311,11 @@ def _fetch_results(name: str | None, found: RecordedResults) -> RecordedResults:
 class Peaks:
     """A GPU's peak figures, as its maker's datasheet states them.
 
-    ``bandwidth_gbs``: device memory, GB/s. ``tensor_tflops``: bf16/fp16 tensor-core products
-    with float32 accumulation, dense (no structured sparsity). ``fp32_tflops``: ordinary float32
-    arithmetic on the CUDA cores, a fused multiply-add counted as two flops.
+    ``name``: short, for a figure's legend. ``bandwidth_gbs``: device memory, GB/s.
+    ``tensor_tflops``: bf16/fp16 tensor-core products with float32 accumulation, dense (no
+    structured sparsity). ``fp32_tflops``: ordinary float32 arithmetic on the CUDA cores, a fused
+    multiply-add counted as two flops. ``reported_as``: the names the GPU gives itself (JAX's
+    ``device_kind``, the ``device`` of a results file), by which :func:`peaks_of` finds it.
     """
 
     device: str
@@ -320,6 +323,8 @@ class Peaks:
     tensor_tflops: float
     fp32_tflops: float
     source: str
+    name: str
+    reported_as: tuple[str, ...]
 
     def tflops(self, unit: str) -> float:
         """The peak of ``unit``: ``"tensor"`` (work done with ``tl.dot``) or ``"fp32"``."""
@@ -333,7 +338,33 @@ H100_SXM = Peaks(
     fp32_tflops=67.0,
     source="NVIDIA H100 Tensor Core GPU datasheet, H100 SXM column: GPU memory bandwidth "
            "3.35 TB/s; BF16 Tensor Core 1,979 TFLOPS, a figure quoted with 2:4 structured "
-           "sparsity, so 989 TFLOPS dense; FP32 67 TFLOPS")
+           "sparsity, so 989 TFLOPS dense; FP32 67 TFLOPS",
+    name="H100 SXM", reported_as=("NVIDIA H100 80GB HBM3",))
+
+# The same Hopper chip with faster memory (HBM3e): the same peak rates, 43% more bandwidth. A
+# results file measured on one is placed against its own roofs, never the H100's.
+H200_SXM = Peaks(
+    device="NVIDIA H200 SXM 141 GB (HBM3e)", bandwidth_gbs=4800.0, tensor_tflops=989.0,
+    fp32_tflops=67.0,
+    source="NVIDIA H200 Tensor Core GPU datasheet, H200 SXM column: GPU memory bandwidth "
+           "4.8 TB/s; BF16 Tensor Core 1,979 TFLOPS, a figure quoted with 2:4 structured "
+           "sparsity, so 989 TFLOPS dense; FP32 67 TFLOPS",
+    name="H200 SXM", reported_as=("NVIDIA H200",))
+
+#: Every GPU whose datasheet peaks the book knows.
+DATASHEETS = (H100_SXM, H200_SXM)
+
+
+def peaks_of(device: str | None) -> Peaks:
+    """The datasheet :class:`Peaks` of the GPU that reports itself as ``device`` (a results
+    file's ``device``); a ``ValueError`` for one not in :data:`DATASHEETS`, rather than another
+    GPU's peaks (an H100 PCIe, say, has 2.0 TB/s, not the SXM's 3.35)."""
+    for peaks in DATASHEETS:
+        if device in peaks.reported_as:
+            return peaks
+    known = ", ".join(repr(n) for p in DATASHEETS for n in p.reported_as)
+    raise ValueError(f"peaks_of: no datasheet peaks for device {device!r} (known: {known}); "
+                     "pass peaks= explicitly")
 
 
 class Cost(NamedTuple):
@@ -501,16 +532,18 @@ def row_cost(op: str, row: dict, chunk: int = 64) -> Cost | None:
 OURS = ("triton", "chunked", "recurrent")  # our kernels' impl names in bench/results
 
 
-def roofline_rows(op: str, data: dict, impls=None, peaks: Peaks = H100_SXM) -> list[dict]:
+def roofline_rows(op: str, data: dict, impls=None, peaks: Peaks | None = None) -> list[dict]:
     """Each timed row of a results file (``impls``: only these implementations; the file's own
     row under ``row``, its shape as a list under ``shape``) with its cost, the achieved rates
-    and two floors. ``floor``: from the datasheet's ``peaks``.
+    and two floors. ``floor``: from the datasheet's ``peaks`` (default: those of the file's
+    ``device``, :func:`peaks_of`; each row keeps them under ``peaks``).
     ``measured_floor``: from the ceilings measured in the same run, the copy bandwidth
     (``copy_bandwidth_gbs``) and, for tensor-core work where the file has one, a bf16 matrix
     product's rate (``matmul_bf16_tflops``); the datasheet's rate otherwise. None where the file
     has no copy bandwidth. ``share`` and ``measured_share``: the floor as a share of the
     measured time, 1 at the floor."""
     copy_gbs, matmul = data.get("copy_bandwidth_gbs"), data.get("matmul_bf16_tflops")
+    peaks = peaks or peaks_of(data.get("device"))
     found = []
     for row in data.get("rows", []):
         if impls is not None and row["impl"] not in impls or not row.get("median_ms"):
@@ -524,7 +557,7 @@ def roofline_rows(op: str, data: dict, impls=None, peaks: Peaks = H100_SXM) -> l
         measured = floor_ms(cost.bytes, cost.flops, copy_gbs, rate) if copy_gbs else None
         found.append(dict(
             op=op, name=row["name"], impl=row["impl"], direction=row["direction"],
-            dtype=row.get("dtype", ""), ours=row["impl"] in OURS, row=row,
+            dtype=row.get("dtype", ""), ours=row["impl"] in OURS, row=row, peaks=peaks,
             shape=_shape(row) if "shape" in row else None, cost=cost, ms=ms,
             tflops=cost.flops / (ms * 1e-3) / 1e12, gbs=cost.bytes / (ms * 1e-3) / 1e9,
             floor=floor, measured_floor=measured, share=floor.ms / ms,
@@ -589,12 +622,14 @@ PEER_COLOURS = ("0.25", "tab:brown", "tab:olive", "tab:cyan", "tab:pink", "0.6")
 DIRECTION_MARKERS = {"fwd": "o", "bwd": "s", "fwd+bwd": "D"}
 
 
-def roofline_figure(rows: list[dict], *, peaks: Peaks = H100_SXM, copy_gbs: float | None = None,
+def roofline_figure(rows: list[dict], *, peaks: Peaks | None = None,
+                    copy_gbs: float | None = None,
                     matmul_tflops: float | None = None, group=None, title: str | None = None,
                     figsize=(7.5, 5.6)):
     """The roofline: arithmetic intensity (flops per byte) against achieved TFLOP/s, log-log.
 
-    The roofs are the datasheet's (``peaks``): bandwidth x intensity up to the tensor-core peak
+    The roofs are the datasheet's (``peaks``; default: those the rows were placed by, one set
+    of roofs per GPU, the second in grey): bandwidth x intensity up to the tensor-core peak
     (solid) and up to the float32 peak (dashed); with ``copy_gbs``, the measured copy
     bandwidth's slope (dotted); with ``matmul_tflops``, a measured matrix product's rate
     (dash-dot). Each row of :func:`roofline_rows` is a point: its colour names its group
@@ -605,6 +640,10 @@ def roofline_figure(rows: list[dict], *, peaks: Peaks = H100_SXM, copy_gbs: floa
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
 
+    devices = [peaks] if peaks else list(dict.fromkeys(r["peaks"] for r in rows))
+    if not devices:
+        raise ValueError("roofline_figure: no rows, so no GPU to draw the roofs of: pass peaks=")
+    first = devices[0]
     group = group or (lambda r: r["op"] if r["ours"] else r["impl"])
     colours, filled, peers = {}, {}, iter(PEER_COLOURS)
     for r in rows:
@@ -615,11 +654,11 @@ def roofline_figure(rows: list[dict], *, peaks: Peaks = H100_SXM, copy_gbs: floa
             filled[g] = r["ours"]
     intensities = [r["cost"].intensity for r in rows] or [1.0]
     rates = [r["tflops"] for r in rows] or [1.0]
-    ridge = peaks.tensor_tflops * 1e3 / peaks.bandwidth_gbs
+    ridge = max(p.tensor_tflops * 1e3 / p.bandwidth_gbs for p in devices)
     x_lo = 10 ** math.floor(math.log10(min(intensities) / 2))
     x_hi = 10 ** math.ceil(math.log10(max(max(intensities) * 2, ridge * 4)))
     y_lo = 10 ** math.floor(math.log10(min(rates) / 2))
-    y_hi = 10 ** math.ceil(math.log10(peaks.tensor_tflops * 1.5))
+    y_hi = 10 ** math.ceil(math.log10(max(p.tensor_tflops for p in devices) * 1.5))
 
     fig, ax = plt.subplots(figsize=figsize)
     xs = [x_lo * (x_hi / x_lo) ** (i / 200) for i in range(201)]
@@ -627,15 +666,19 @@ def roofline_figure(rows: list[dict], *, peaks: Peaks = H100_SXM, copy_gbs: floa
     def roof(bandwidth, peak):
         return [min(x * bandwidth / 1e3, peak) for x in xs]
 
-    ax.plot(xs, roof(peaks.bandwidth_gbs, peaks.tensor_tflops), color="black", lw=1.8)
-    ax.plot(xs, roof(peaks.bandwidth_gbs, peaks.fp32_tflops), color="black", lw=1.2, ls="--")
-    ax.text(x_hi / 1.2, peaks.tensor_tflops * 1.12, f"tensor cores {peaks.tensor_tflops:.0f}",
-            ha="right", va="bottom", fontsize=10)
-    ax.text(x_hi / 1.2, peaks.fp32_tflops * 1.12, f"float32 {peaks.fp32_tflops:.0f}",
-            ha="right", va="bottom", fontsize=10)
-    lines = [Line2D([], [], color="black", lw=1.8, label="datasheet roofs")]
+    lines, labelled = [], set()
+    for device, ink in zip(devices, ("black", "0.6", "tab:olive")):
+        ax.plot(xs, roof(device.bandwidth_gbs, device.tensor_tflops), color=ink, lw=1.8)
+        ax.plot(xs, roof(device.bandwidth_gbs, device.fp32_tflops), color=ink, lw=1.2, ls="--")
+        for what, peak in (("tensor cores", device.tensor_tflops),
+                           ("float32", device.fp32_tflops)):
+            if peak not in labelled:  # GPUs of one chip share their peak rates: said once
+                labelled.add(peak)
+                ax.text(x_hi / 1.2, peak * 1.12, f"{what} {peak:.0f}", ha="right",
+                        va="bottom", fontsize=10)
+        lines.append(Line2D([], [], color=ink, lw=1.8, label=f"datasheet roofs, {device.name}"))
     if copy_gbs:
-        ax.plot(xs, roof(copy_gbs, peaks.tensor_tflops), color="0.45", lw=1.2, ls=":")
+        ax.plot(xs, roof(copy_gbs, first.tensor_tflops), color="0.45", lw=1.2, ls=":")
         lines.append(Line2D([], [], color="0.45", ls=":",
                             label=f"measured copy {copy_gbs / 1e3:.2f} TB/s"))
     if matmul_tflops:
@@ -660,11 +703,12 @@ def roofline_figure(rows: list[dict], *, peaks: Peaks = H100_SXM, copy_gbs: floa
     rows_of_legend = -(-len(handles + lines) // 3)
     fig.tight_layout(rect=(0, (0.15 + 0.24 * rows_of_legend) / figsize[1], 1, 1))
     # The bandwidth's label along its roof, a third of the way to the ridge (the angle is
-    # taken once the axes have their final size).
+    # taken once the axes have their final size); the first GPU's, as the legend names it.
     x_text = x_lo * (min(ridge, x_hi) / x_lo) ** 0.3
-    y_text = x_text * peaks.bandwidth_gbs / 1e3
+    y_text = x_text * first.bandwidth_gbs / 1e3
     a, b = ax.transData.transform([(x_text, y_text), (x_text * 10, y_text * 10)])
-    ax.text(x_text, y_text * 1.5, f"{peaks.bandwidth_gbs / 1e3:.2f} TB/s", fontsize=10,
+    named = f" ({first.name})" if len(devices) > 1 else ""
+    ax.text(x_text, y_text * 1.5, f"{first.bandwidth_gbs / 1e3:.2f} TB/s{named}", fontsize=10,
             rotation=math.degrees(math.atan2(b[1] - a[1], b[0] - a[0])),
             rotation_mode="anchor", ha="left", va="bottom")
     return fig

@@ -11,13 +11,16 @@ from pathlib import Path
 import pytest
 
 from ejk_lite.notebook import (
+    DATASHEETS,
     H100_SXM,
+    H200_SXM,
     Floor,
     attention_cost,
     chunked_cost,
     cumsum_cost,
     floor_ms,
     mean_pooling_cost,
+    peaks_of,
     recorded_label,
     recurrent_cost,
     roofline_rows,
@@ -53,6 +56,29 @@ def test_h100_ridge_and_units():
     assert H100_SXM.tflops("fp32") == 67.0 and H100_SXM.tflops("tensor") == 989.0
     with pytest.raises(ValueError, match="unit"):
         H100_SXM.tflops("fp64")
+
+
+def test_each_file_is_placed_against_its_own_gpu():
+    # Both names as the GPUs report them (the results files' devices); the H200 has the
+    # H100's chip and rates and 43% more bandwidth.
+    assert peaks_of("NVIDIA H100 80GB HBM3") is H100_SXM
+    assert peaks_of("NVIDIA H200") is H200_SXM
+    assert H200_SXM.tensor_tflops == H100_SXM.tensor_tflops
+    assert H200_SXM.bandwidth_gbs / H100_SXM.bandwidth_gbs == pytest.approx(1.43, abs=0.01)
+    for unknown in ("NVIDIA H100 PCIe", "cpu", None):  # never another GPU's peaks
+        with pytest.raises(ValueError, match=f"device {unknown!r}"):
+            peaks_of(unknown)
+    for stem in ("cumsum", "chunked", "attention"):
+        data = results(stem)
+        peaks = peaks_of(data["device"])
+        assert peaks in DATASHEETS
+        for r in roofline_rows(stem, data):
+            assert r["peaks"] is peaks
+            assert r["floor"].memory_ms == pytest.approx(
+                r["cost"].bytes / (peaks.bandwidth_gbs * 1e9) * 1e3)
+    # Given peaks win over the file's device.
+    rows = roofline_rows("chunked", results("chunked"), peaks=H100_SXM)
+    assert all(r["peaks"] is H100_SXM for r in rows)
 
 
 def test_counts_worked_by_hand():
@@ -177,3 +203,15 @@ def test_figure_draws_every_row():
     assert all(low <= r["cost"].intensity <= high for r in rows)
     assert not math.isnan(high)
     plt.close(fig)
+    # Rows from two GPUs: one set of roofs each, named in the legend; no rows, no roofs.
+    both = rows + roofline_rows("cumsum", results("cumsum"))
+    assert len({r["peaks"] for r in both}) == 2
+    fig = roofline_figure(both)
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    for peaks in {r["peaks"] for r in both}:
+        assert f"datasheet roofs, {peaks.name}" in legend
+    solid = [line for line in fig.axes[0].lines if line.get_linestyle() == "-"]
+    assert len(solid) == 2
+    plt.close(fig)
+    with pytest.raises(ValueError, match="no rows"):
+        roofline_figure([])
