@@ -357,15 +357,16 @@ def test_vmap_and_grad(rng, gates):
     check_vmap_of_grad(loss, per_item)
 
 
-def check_vmap_of_grad(loss, per_item):
-    """vmap of the value and gradient of ``loss`` over the stacked items equals a loop."""
+def check_vmap_of_grad(loss, per_item, grad_tol=1e-6):
+    """vmap of the value and gradient of ``loss`` over the stacked items equals a loop (the
+    gradients within ``grad_tol``)."""
     stacked = jax.tree.map(lambda *x: jnp.stack(x), *per_item)
     values, grads = jax.vmap(jax.value_and_grad(loss))(stacked)
     for i, item in enumerate(per_item):
         value, grad = jax.value_and_grad(loss)(item)
         assert rel_err(values[i], value) <= 1e-6
         for name in item:
-            assert rel_err(grads[name][i], grad[name]) <= 1e-6, name
+            assert rel_err(grads[name][i], grad[name]) <= grad_tol, name
 
 
 def test_vmap_and_grad_mild_and_strong_chunks(rng):
@@ -383,7 +384,12 @@ def test_vmap_and_grad_mild_and_strong_chunks(rng):
         o, state = chunked_recurrent(**inputs, chunk_size=16)
         return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(state ** 2)
 
-    check_vmap_of_grad(loss, per_item)
+    # In the interpreter the two agree to float32's rounding. On the GPU their bfloat16
+    # gradients differ in a few last bits (H200, 98dff7f: dgk 4.8e-5, where the loop and the
+    # batched call round some sum differently; which one was not traced). A fold that gave an
+    # item the other's flags is caught either way: a strong chunk on the one-product path
+    # overflows.
+    check_vmap_of_grad(loss, per_item, grad_tol=1e-3 if ejk_lite.ON_GPU else 1e-6)
 
 
 def test_vmap_mapped_cu_seqlens(rng):
