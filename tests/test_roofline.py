@@ -203,15 +203,16 @@ def test_figure_draws_every_row():
     assert all(low <= r["cost"].intensity <= high for r in rows)
     assert not math.isnan(high)
     plt.close(fig)
-    # Rows from two GPUs: one set of roofs each, named in the legend; no rows, no roofs.
-    both = rows + roofline_rows("cumsum", results("cumsum"))
-    assert len({r["peaks"] for r in both}) == 2
+    # Rows placed on two GPUs (the same file's, whatever GPU it came from): one set of roofs
+    # each, named in the legend; no rows, no roofs.
+    both = [r for peaks in DATASHEETS
+            for r in roofline_rows("chunked", results("chunked"), peaks=peaks)]
     fig = roofline_figure(both)
     legend = [t.get_text() for t in fig.legends[0].get_texts()]
-    for peaks in {r["peaks"] for r in both}:
+    for peaks in DATASHEETS:
         assert f"datasheet roofs, {peaks.name}" in legend
     solid = [line for line in fig.axes[0].lines if line.get_linestyle() == "-"]
-    assert len(solid) == 2
+    assert len(solid) == len(DATASHEETS)
     plt.close(fig)
     with pytest.raises(ValueError, match="no rows"):
         roofline_figure([])
