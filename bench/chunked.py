@@ -4,7 +4,10 @@ Two gates at each of the issue's shapes (``SHAPES``), forward and forward + back
 of the output with a random cotangent; the final state is not used):
 
 * a scalar gate ``g`` ``[B, T, H]``: peers ``fla.ops.simple_gla.chunk_simple_gla`` and
-  ``fused_recurrent_simple_gla``;
+  ``fused_recurrent_simple_gla``. Where fla refuses ``chunk_simple_gla``'s backward (fla 0.6,
+  Triton < 3.7.1 on Hopper), forward + backward races ``chunk_gla`` with the gate broadcast
+  along K, and the forward the faster of that and ``chunk_simple_gla``'s forward, which runs
+  (each row's ``peer`` names the kernel timed);
 * a per-key gate ``gk`` ``[B, T, H, K]``: peers ``fla.ops.gla.chunk_gla`` (which calls it ``g``)
   and ``fused_recurrent_gla``; mild, as a trained layer's, so that every chunk takes our
   one-product shortcut (``ejk_lite.chunked``, "Mild gates");
@@ -118,6 +121,7 @@ OURS = {"chunked": functools.partial(chunked_recurrent, impl="triton"),
 QUICK_CHUNK_SIZE = 16  # several chunks in a short sequence
 # The ``impl`` of fla's rows, by the op of ours they race.
 FLA_IMPL = {"chunked": "fla", "recurrent": "fla_recurrent"}
+DIRECTIONS = ("fwd", "fwd+bwd")
 
 
 def functions(op, scale):
@@ -137,8 +141,9 @@ def shape_name(shape: dict) -> str:
 
 
 def fla_peer(run, fla, form, gate, inputs, d_o, scale, samples, refused):
-    """fla's kernel racing ours of ``form`` on these inputs, or None where fla refuses it (then
-    the race is missing: a failure of the run)."""
+    """fla's kernels racing ours of ``form`` on these inputs: ``({direction: the kernel timed},
+    (output, gradients, {direction: times}))``, or None where fla refuses (then the race is
+    missing: a failure of the run)."""
     name = peers.FLA[form, gate]
     if name in refused:
         # Refused earlier in this run, or in the file --merge keeps (same commit, so the same
@@ -147,7 +152,8 @@ def fla_peer(run, fla, form, gate, inputs, d_o, scale, samples, refused):
         run.log(f"{name}: refused before, not asked again ({refused[name][:100]})")
     else:
         try:
-            return name, peers.fla_race(fla, form, gate, inputs, d_o, scale, samples)
+            race = peers.fla_race(fla, form, gate, inputs, d_o, scale, samples)
+            return dict.fromkeys(DIRECTIONS, name), race
         except RuntimeError as error:
             # fla 0.6 refuses chunk_simple_gla with Triton < 3.7.1 on Hopper (its issue 640:
             # wrong gated gradients). Recorded; its chunk_gla computes the same function with
@@ -157,8 +163,24 @@ def fla_peer(run, fla, form, gate, inputs, d_o, scale, samples, refused):
     if (form, gate) != ("chunked", "g"):
         run.failures.append(f"{name} refused and no stand-in: no race for our {form} ({gate})")
         return None
-    return peers.FLA_BROADCAST, peers.fla_race(fla, form, gate, inputs, d_o, scale, samples,
-                                               broadcast=True)
+    names = dict.fromkeys(DIRECTIONS, peers.FLA_BROADCAST)
+    o, grads, stats = peers.fla_race(fla, form, gate, inputs, d_o, scale, samples,
+                                     broadcast=True)
+    # fla's refusal sits in chunk_simple_gla's backward (chunk_bwd_dqkwg, fla 0.6): its
+    # forward runs, and a forward's race takes fla's faster kernel for the gate, the
+    # broadcast chunk_gla's or its own, checked like any peer (its output is the one compared).
+    try:
+        own_o, _, own = peers.fla_race(fla, form, gate, inputs, d_o, scale, samples,
+                                       forward_only=True)
+    except RuntimeError as error:
+        run.log(f"{name}'s forward refused too: {type(error).__name__}: {str(error)[:200]}")
+    else:
+        run.log(f"{name}'s forward alone: {own['fwd']['median_ms']:.4g} ms; "
+                f"{peers.FLA_BROADCAST}: {stats['fwd']['median_ms']:.4g} ms")
+        if own["fwd"]["median_ms"] < stats["fwd"]["median_ms"]:
+            names["fwd"] = f"{name}, its forward (its backward refused)"
+            o, stats = own_o, dict(stats, fwd=own["fwd"])
+    return names, (o, grads, stats)
 
 
 def run_shape(run, index, shape, ops, fla, samples, quick, copy_gbs, rows, refused, gates, write):
@@ -201,13 +223,14 @@ def run_shape(run, index, shape, ops, fla, samples, quick, copy_gbs, rows, refus
             peer = None
             if fla is not None and h_kv == h:  # fla has no grouped key/value heads
                 peer = fla_peer(run, fla, impl, gate, inputs, d_o, scale, samples, refused)
-                run.log(f"{name} {impl}: fla's {peer[0] if peer else 'peer'} timed")
+                run.log(f"{name} {impl}: fla's "
+                        f"{' / '.join(dict.fromkeys(peer[0].values())) if peer else 'peer'} timed")
             fwd, fwd_bwd = functions(op, scale)
             err_ref = compare(*fwd_bwd(short, short_d_o), ref_o, ref_grads)
             run.log(f"{name} {impl}: ours checked against the reference")
             err_fla = None
             if peer is not None:
-                peer_name, (fla_o, fla_grads, fla_stats) = peer
+                peer_names, (fla_o, fla_grads, fla_stats) = peer
                 err_fla = compare(*fwd_bwd(inputs, d_o), fla_o, fla_grads)
                 del fla_o, fla_grads
             for against, err in (("reference", err_ref), ("fla", err_fla)):
@@ -216,11 +239,11 @@ def run_shape(run, index, shape, ops, fla, samples, quick, copy_gbs, rows, refus
 
             stats = {"fwd": time_stats_ms(lambda: fwd(inputs), samples),
                      "fwd+bwd": time_stats_ms(lambda: fwd_bwd(inputs, d_o), samples)}
-            for direction in ("fwd", "fwd+bwd"):
+            for direction in DIRECTIONS:
                 st = stats[direction]
                 extra = dict(rel_err_vs_reference=err_ref, checked_seq_len=check_len, kv_heads=h_kv)
                 if peer is not None:
-                    extra["peer"] = peer_name
+                    extra["peer"] = peer_names[direction]
                     extra["rel_err_vs_fla"] = err_fla
                     extra["speedup_vs_fla"] = fla_stats[direction]["median_ms"] / st["median_ms"]
                 rows.append(row(name, impl, direction, dims, "bfloat16", stats=st,
@@ -229,13 +252,13 @@ def run_shape(run, index, shape, ops, fla, samples, quick, copy_gbs, rows, refus
                                 **extra))
             run.log(f"{name} {impl}: fwd {stats['fwd']['median_ms']:.4g} ms, fwd+bwd "
                     f"{stats['fwd+bwd']['median_ms']:.4g} ms; vs reference {fmt_err(err_ref)}"
-                    + (f"; vs {peer_name} {fmt_err(err_fla)}" if err_fla else ""))
+                    + (f"; vs fla {fmt_err(err_fla)}" if err_fla else ""))
             if peer is not None:
-                for direction in ("fwd", "fwd+bwd"):
+                for direction in DIRECTIONS:
                     rows.append(row(name, FLA_IMPL[impl], direction, dims, "bfloat16",
                                     stats=fla_stats[direction], bytes_moved=bytes_moved[direction],
-                                    copy_gbs=copy_gbs, gate=gate, strong=strong, peer=peer_name,
-                                    races=impl, kv_heads=h_kv))
+                                    copy_gbs=copy_gbs, gate=gate, strong=strong,
+                                    peer=peer_names[direction], races=impl, kv_heads=h_kv))
             del peer
         del inputs, d_o
         run.log(f"wrote {write()}")  # after every gate: a run cut short keeps what it finished

@@ -47,15 +47,21 @@ def from_torch(t: Any) -> jax.Array:
 
 
 def torch_race(torch: Any, call: Callable[[dict], Any], inputs: dict[str, jax.Array],
-               d_o: jax.Array, samples: int) -> tuple[jax.Array, dict[str, jax.Array], dict]:
+               d_o: jax.Array, samples: int, forward_only: bool = False
+               ) -> tuple[jax.Array, dict[str, jax.Array] | None, dict]:
     """``call(tensors)`` on torch copies of ``inputs``: its output and the gradient of every input
     for the cotangent ``d_o`` (as JAX arrays), and its times ``{"fwd": ..., "fwd+bwd": ...}``
-    (:func:`common.spread` of device times; the forward under ``no_grad``)."""
+    (:func:`common.spread` of device times; the forward under ``no_grad``). ``forward_only``:
+    the output and ``{"fwd": ...}``, gradients None."""
     tensors = {name: to_torch(torch, x) for name, x in inputs.items()}
     d_o_t = to_torch(torch, d_o)
     with torch.no_grad():
         out = from_torch(call(tensors))
         fwd = spread(device_samples_ms(lambda: call(tensors), samples))
+    if forward_only:
+        del tensors, d_o_t
+        torch.cuda.empty_cache()
+        return out, None, {"fwd": fwd}
     leaves = {name: t.detach().requires_grad_(True) for name, t in tensors.items()}
 
     def forward_backward():
@@ -154,11 +160,11 @@ def fla_call(fla: dict, form: str, gate: str | None, scale: float,
 
 
 def fla_race(fla: dict, form: str, gate: str | None, inputs: dict[str, jax.Array], d_o: jax.Array,
-             scale: float, samples: int, broadcast: bool = False):
+             scale: float, samples: int, broadcast: bool = False, forward_only: bool = False):
     """:func:`fla_call`'s kernel on ``inputs``: :func:`torch_race`'s output, gradients and
-    times."""
+    times (``forward_only``: the output and the forward's times)."""
     call = fla_call(fla, form, gate, scale, broadcast)
-    return torch_race(fla["torch"], call, inputs, d_o, samples)
+    return torch_race(fla["torch"], call, inputs, d_o, samples, forward_only=forward_only)
 
 
 # ----------------------------------------------------------------------------------------------
