@@ -178,7 +178,7 @@ def fla_peer(run, fla, form, gate, inputs, d_o, scale, samples, refused):
         run.log(f"{name}'s forward alone: {own['fwd']['median_ms']:.4g} ms; "
                 f"{peers.FLA_BROADCAST}: {stats['fwd']['median_ms']:.4g} ms")
         if own["fwd"]["median_ms"] < stats["fwd"]["median_ms"]:
-            names["fwd"] = f"{name}, its forward (its backward refused)"
+            names["fwd"] = f"{name}, its forward alone: its backward is refused"
             o, stats = own_o, dict(stats, fwd=own["fwd"])
     return names, (o, grads, stats)
 
