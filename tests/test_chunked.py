@@ -11,7 +11,7 @@ import pytest
 from conftest import TOLERANCE, rel_err
 
 import ejk_lite
-from ejk_lite.chunked import ChunkedConfig, KernelConfig
+from ejk_lite.chunked import ChunkedConfig, KernelConfig, _forward, _Static
 from ejk_lite.chunked import chunked_recurrent as _chunked_recurrent
 
 # The kernels, wherever the tests run ("auto" is XLA, the reference itself, on a CPU).
@@ -384,11 +384,24 @@ def test_vmap_and_grad_mild_and_strong_chunks(rng):
         o, state = chunked_recurrent(**inputs, chunk_size=16)
         return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(state ** 2)
 
-    # In the interpreter the two agree to float32's rounding. On the GPU their bfloat16
-    # gradients differ in a few last bits (H200, 98dff7f: dgk 4.8e-5, where the loop and the
-    # batched call round some sum differently; which one was not traced). A fold that gave an
-    # item the other's flags is caught either way: a strong chunk on the one-product path
-    # overflows.
+    # The fold itself, exactly: the forward's flags (which chunks took one product) under vmap
+    # are each item's own, the mild item's all set, the strong chunk's not.
+    static = _Static(scale=20 ** -0.5, chunk_size=16, reverse=False, config=ChunkedConfig())
+
+    def flags(item):
+        args = (item["query"], item["key"], item["value"], item["gk"],
+                item["initial_state"].astype(jnp.float32), None)
+        return _forward(static, *args)[3][3]
+
+    stacked = jax.tree.map(lambda *x: jnp.stack(x), *per_item)
+    folded = jax.vmap(flags)(stacked)
+    for i, item in enumerate(per_item):
+        np.testing.assert_array_equal(folded[i], flags(item))
+    assert np.asarray(folded[0]).all() and not np.asarray(folded[1]).all()
+    # The gradients: in the interpreter the two agree to float32's rounding. On the GPU their
+    # bfloat16 gradients differ in a few last bits (H200, 98dff7f: dgk 4.8e-5, where the loop and
+    # the batched call round some sum differently; which one was not traced), so there the
+    # bound is 1e-3: rounding, with the flags' fold checked exactly above.
     check_vmap_of_grad(loss, per_item, grad_tol=1e-3 if ejk_lite.ON_GPU else 1e-6)
 
 
