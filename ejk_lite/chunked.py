@@ -102,6 +102,13 @@ differentiates the sums that fold ``g``, ``g_gamma`` and ``gk`` into ``a``. With
 forward keeps ``q exp(G)``, ``k exp(Gamma - G)`` (two arrays of ``q``'s size, in its dtype)
 and ``Gamma`` for the backward, whose states, ``D`` and ``dv`` then read no gates.
 
+**The forward alone.** When no gradient is asked (the ``custom_vjp``'s primal), nothing need be
+kept, and with a scalar gate (or none) two kernels suffice: the state walk sums the gates of
+each chunk itself and decays ``k`` on the fly, and ``_fused_output_kernel`` forms ``A`` in
+registers, scaling the rows of ``q H`` by ``exp(G_i)`` after the product (a scalar per row).
+It reads ``q``, ``k``, ``v`` and the states and writes ``o``: no ``A`` and no decayed copies of
+``q`` and ``k`` go through memory.
+
 **Layouts.** Chunks are counted from each sequence's first token. ``reverse=True`` walks each
 sequence from its last token: the kernels visit a chunk's rows in walking order (row ``r`` of
 memory chunk ``m`` is token ``start + (m + 1) C - 1 - r``), and visit the chunks last to first,
@@ -115,7 +122,8 @@ Kernels (``BT`` = chunk size, ``N`` sequences, ``NT`` chunk slots per batch row)
 kernel                grid                   computes
 ====================  =====================  ===================================================
 _states_kernel        (V/BV, K/BK, N * H)    walks the chunks: H at every chunk's start, final
-                                             state (forward; again in the backward)
+                                             state (forward; again in the backward); the
+                                             forward alone sums a scalar gate itself
 _attention_kernel     (NT, B * H)            A, the masked intra-chunk attention [BT, BT]
                                              (scalar gate or none); with a gate q exp(G),
                                              k exp(Gamma - G), Gamma, as the next
@@ -125,6 +133,8 @@ _gk_attention_kernel  (NT, B * H)            the same with a per-key gate, the o
                                              but for the diagonal sub-chunk blocks
 _gk_diagonal_kernel   (NT * BT/BC, B * H)    per-key gates: A's diagonal sub-chunk blocks
 _output_kernel        (V/BV, NT, B * H)      o = scale (q exp(G)) H + A v
+_fused_output_kernel  (V/BV, NT, B * H)      the forward alone, scalar gate or none: o from q,
+                                             k, v, the gates and H (A formed in registers)
 _state_grads_kernel   (V/BV, K/BK, N * H)    walks the chunks backwards: D for every chunk,
                                              d initial_state
 _dA_kernel            (NT, B * H)            dA = do v^T (masked); the scalar gate's intra dG
@@ -223,6 +233,11 @@ class ChunkedConfig:
     # not recorded), per-key gate at that shape: _states_kernel 1.22 -> 0.84 ms and
     # _state_grads_kernel 0.56 -> 0.41 from BV64 2 stages; at this tree BV16 would take
     # 0.43 -> 0.40 there but 0.11 -> 0.155 at B4 T4096 H16 K=V=128.
+    # With the decays loaded a chunk ahead (H200, bf16, bench/_probe_chunked_gk.py, per-kernel
+    # medians over one trace, not recorded), the forward alone with a scalar gate at B1 T32768
+    # H8 K=V=64: _states_kernel 0.282 ms at BV32 3 stages (BV16 0.307, BV64 0.337, 2 stages
+    # 0.545, 4 stages 0.308, 5 0.281, 8 warps 0.298, BK32 0.271), fla's chunk_fwd_kernel_h 0.204;
+    # at B4 T4096 H16 K=V=128 0.091 (BV64 0.083, fla 0.069).
     states: KernelConfig = KernelConfig(block_v=32, num_stages=3)
     # Measured (H100, bf16, B4 T4096 H16 K=V=128, per-kernel medians over one trace; probes,
     # not recorded): _gk_attention_kernel 0.40 ms at BK64 4 warps (at this tree: BK32 4 warps
@@ -260,6 +275,13 @@ class ChunkedConfig:
     fast_grads: KernelConfig = KernelConfig()
     diagonal: KernelConfig = KernelConfig(block_k=128, num_warps=1)
     output: KernelConfig = KernelConfig()
+    # _fused_output_kernel: the forward alone with a scalar gate or none (no A, no decayed q and
+    # k written: o from q, k, v and the states; the walk reads _gate_sums_kernel's decays).
+    # Measured (H200, bf16, B4 T4096 H16 K=V=128, scalar gate, per-kernel medians over one
+    # trace; bench/_probe_chunked_gk.py --forward-only, not recorded): 0.117 ms at BV128 3 stages
+    # (2 stages 0.125, 8 warps 0.127; BV64 4 warps 0.147, 8 warps 0.160), fla's
+    # chunk_fwd_kernel_o 0.131.
+    fused_output: KernelConfig = KernelConfig(block_v=128, num_stages=3)
     state_grads: KernelConfig = KernelConfig(block_v=32, num_stages=3)
     dA: KernelConfig = KernelConfig()
     intra_grads: KernelConfig = KernelConfig(block_k=32, unroll=4)
@@ -519,47 +541,122 @@ def _decay_step(decay, a_row, rows):
 
 
 @triton.jit
+def _gate_sums_kernel(
+    a, cu_seqlens, chunk_indices, T, NT_SLOTS, num_seqs,
+    to_end, gamma,  # outputs: [B * T, H] and [B * NT_SLOTS, H], fp32
+    H: tl.constexpr, HP: tl.constexpr, BT: tl.constexpr, REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr,
+):
+    # The forward alone, scalar gate: one program per chunk, every head ([BT, HP], a row of a
+    # read at once). For each row, the log-decay from it to the chunk's end (exclusive: the
+    # reverse cumulative sum of the rows shifted by one, a direct sum as everywhere here), and
+    # the whole chunk's, Gamma. The state walk then reads a number a row and one a chunk, and
+    # sums nothing: summed inside the walk, the scan and the exponentials sat in every one of its
+    # sequential steps (H200, bf16, B1 T32768 H8 K=V=64: _states_kernel 0.75 ms against 0.27
+    # with the decays precomputed).
+    i_t, i_b = tl.program_id(0), tl.program_id(1)
+    i_c, start, end = _chunk_of_program(cu_seqlens, chunk_indices, i_t, T, num_seqs, IS_VARLEN)
+    if start + i_c * BT >= end:
+        return
+    r = tl.arange(0, BT)
+    heads = tl.arange(0, HP)
+    tok, valid = _rows(r, i_c, start, end, i_b.to(tl.int64) * T, BT, REVERSE)
+    tok1, valid1 = _rows(r + 1, i_c, start, end, i_b.to(tl.int64) * T, BT, REVERSE)
+    mask_h = heads[None, :] < H
+    b_a = _log_decay(tl.load(a + tok[:, None] * H + heads[None, :], mask=valid[:, None] & mask_h, other=0.0))
+    b_a1 = _log_decay(tl.load(a + tok1[:, None] * H + heads[None, :], mask=valid1[:, None] & mask_h, other=0.0))
+    tl.store(to_end + tok[:, None] * H + heads[None, :], tl.cumsum(b_a1, axis=0, reverse=True),
+             mask=valid[:, None] & mask_h)
+    tl.store(gamma + (i_b.to(tl.int64) * NT_SLOTS + i_t) * H + heads, tl.sum(b_a, axis=0), mask=heads < H)
+
+
+@triton.jit
 def _states_kernel(
-    k, v, a, h0, cu_seqlens, chunk_offsets, T, NT_SLOTS, num_seqs,
+    k, v, decay, chunk_decay, h0, cu_seqlens, chunk_offsets, T, NT_SLOTS, num_seqs,
     states, ht,  # outputs: the state at every chunk's start [B * NT_SLOTS, H, K, V]; final [N, H, K, V]
     H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    USE_G: tl.constexpr, HAS_H0: tl.constexpr,
+    USE_G: tl.constexpr, DECAY_ROWS: tl.constexpr, HAS_H0: tl.constexpr,
     REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr, F32_DOT: tl.constexpr,
 ):
     # One program: a [BK, BV] tile of one query head's state, carried in fp32 through the chunks
     # of one sequence. Each step is one [BK, BT] x [BT, BV] product. USE_G: k is already
-    # k exp(Gamma - G), per query head (the attention kernels'), and a holds Gamma per chunk slot.
+    # k exp(Gamma - G), per query head (the attention kernels'), and chunk_decay holds Gamma per
+    # chunk slot [B * NT_SLOTS, H, K]. DECAY_ROWS instead (the forward alone, scalar gate): k is
+    # the key, decay each row's log-decay to its chunk's end [B * T, H] and chunk_decay Gamma
+    # [B * NT_SLOTS, H] (_gate_sums_kernel's), and k's rows are decayed here.
     i_v, i_k, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_h = i_nh // H, i_nh % H
     i_kv = i_h // (H // H_KV)
     i_b, start, end, first = _sequence_of_program(cu_seqlens, chunk_offsets, i_n, T, NT_SLOTS, num_seqs,
                                                   IS_VARLEN)
-    row_base = i_b.to(tl.int64) * T
-    num_chunks = tl.cdiv(end - start, BT)
+    length = end - start
+    num_chunks = tl.cdiv(length, BT)
 
+    # The rows of a chunk are read in memory order: the product sums over them, so their order
+    # does not matter (the decays were summed in walking order). Every pointer is the sequence's
+    # first row, plus a chunk's offset (one 64-bit number a step), plus offsets within the chunk
+    # computed once.
     r = tl.arange(0, BT)
     offs_k = i_k * BK + tl.arange(0, BK)
     offs_v = i_v * BV + tl.arange(0, BV)
     mask_k, mask_v = offs_k < K, offs_v < V
     mask_h = mask_k[:, None] & mask_v[None, :]
     state_tile = offs_k[:, None] * V + offs_v[None, :]
+    seq = i_b.to(tl.int64) * T + start  # the sequence's first token, flat
+    if USE_G and not DECAY_ROWS:  # k exp(Gamma - G), per query head
+        k_seq = k + (seq * H + i_h) * K
+        K_ROW: tl.constexpr = H * K
+    else:
+        k_seq = k + (seq * H_KV + i_kv) * K
+        K_ROW: tl.constexpr = H_KV * K
+    v_seq = v + (seq * H_KV + i_kv) * V
+    k_tile = r[:, None] * K_ROW + offs_k[None, :]
+    v_tile = r[:, None] * (H_KV * V) + offs_v[None, :]
+    slots = i_b.to(tl.int64) * NT_SLOTS + first  # the sequence's first chunk slot
+    last_slot = i_b.to(tl.int64) * NT_SLOTS + NT_SLOTS - 1  # clamped to it, as every index read
 
+    # The decays are loaded one chunk ahead, into registers: loads this small (a vector) are not
+    # pipelined by the compiler, and each would put a memory latency into every step of the walk
+    # (H200, bf16, B1 T32768 H8 K=V=64, per-key gate: _states_kernel 0.446 -> 0.274 ms,
+    # _state_grads_kernel 0.431 -> 0.290).
     h = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_H0:
         h += tl.load(h0 + (i_n.to(tl.int64) * H + i_h) * K * V + state_tile, mask=mask_h, other=0.0)
+    i_c = num_chunks - 1 if REVERSE else 0
+    some = num_chunks > 0
+    if DECAY_ROWS:
+        b_d = tl.load(decay + (seq + i_c * BT + r) * H + i_h, mask=some & (i_c * BT + r < length), other=0.0)
+        b_gamma = tl.load(chunk_decay + tl.minimum(slots + i_c, last_slot) * H + i_h, mask=some, other=0.0)
+    elif USE_G:
+        b_gamma = tl.load(chunk_decay + (tl.minimum(slots + i_c, last_slot) * H + i_h) * K + offs_k,
+                          mask=mask_k & some, other=0.0)
     for i in range(0, num_chunks):
         i_c = num_chunks - 1 - i if REVERSE else i
-        slot = i_b.to(tl.int64) * NT_SLOTS + tl.minimum(first + i_c, NT_SLOTS - 1)
+        more = i + 1 < num_chunks
+        i_next = tl.where(more, i_c - 1 if REVERSE else i_c + 1, 0)
+        slot, slot_next = tl.minimum(slots + i_c, last_slot), tl.minimum(slots + i_next, last_slot)
         tl.store(states + (slot * H + i_h) * K * V + state_tile, h.to(states.dtype.element_ty), mask=mask_h)
 
-        tok, valid = _rows(r, i_c, start, end, row_base, BT, REVERSE)
-        b_v = _load_rows(v + i_kv * V, tok, valid, offs_v, mask_v, H_KV * V)
-        if USE_G:
-            b_k = _load_rows(k + i_h * K, tok, valid, offs_k, mask_k, H * K)
-            h = h * tl.exp(tl.load(a + (slot * H + i_h) * K + offs_k, mask=mask_k, other=0.0))[:, None]
-        else:
-            b_k = _load_rows(k + i_kv * K, tok, valid, offs_k, mask_k, H_KV * K)
+        row0 = i_c * BT  # the chunk's first row within the sequence
+        valid = row0 + r < length
+        b_v = tl.load(v_seq + row0.to(tl.int64) * (H_KV * V) + v_tile, mask=valid[:, None] & mask_v[None, :],
+                      other=0.0)
+        b_k = tl.load(k_seq + row0.to(tl.int64) * K_ROW + k_tile, mask=valid[:, None] & mask_k[None, :],
+                      other=0.0)
+        if DECAY_ROWS:
+            # k_j exp(Gamma - G_j), rounded to k's dtype as the attention kernel's decayed rows
+            # are, and h decays by the whole chunk's Gamma.
+            d_next = tl.load(decay + (seq + i_next * BT + r) * H + i_h, mask=more & (i_next * BT + r < length),
+                             other=0.0)
+            gamma_next = tl.load(chunk_decay + slot_next * H + i_h, mask=more, other=0.0)
+            b_k = (b_k.to(tl.float32) * tl.exp(b_d)[:, None]).to(b_k.dtype)
+            h = h * tl.exp(b_gamma)
+            b_d, b_gamma = d_next, gamma_next
+        elif USE_G:
+            gamma_next = tl.load(chunk_decay + (slot_next * H + i_h) * K + offs_k, mask=mask_k & more,
+                                 other=0.0)
+            h = h * tl.exp(b_gamma)[:, None]
+            b_gamma = gamma_next
         h += tl.dot(tl.trans(b_k), b_v, input_precision=F32_DOT)
 
     tl.store(ht + (i_n.to(tl.int64) * H + i_h) * K * V + state_tile, h, mask=mask_h)
@@ -871,6 +968,63 @@ def _output_kernel(
              mask=valid[:, None] & mask_v[None, :])
 
 
+@triton.jit
+def _fused_output_kernel(
+    q, k, v, a, states, cu_seqlens, chunk_indices, T, NT_SLOTS, num_seqs,
+    o,  # output [B * T, H, V] in the query's dtype
+    H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, SCALE: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_G: tl.constexpr, REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr, F32_DOT: tl.constexpr,
+):
+    # The forward alone (no gradient asked), scalar gate or none: one program computes a [BT, BV]
+    # tile of one chunk's output from the inputs and the chunk's state, with nothing kept for a
+    # backward: o = scale (exp(G) * (q H) + ((q k^T) * D) v). A scalar gate's exp(G_i) scales a
+    # whole row, so it multiplies q H after the product (no decayed copy of q is written), and D
+    # is _decay_matrix. q k^T is recomputed for every V tile (one tile at V <= BV).
+    i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    i_kv = i_h // (H // H_KV)
+    i_c, start, end = _chunk_of_program(cu_seqlens, chunk_indices, i_t, T, num_seqs, IS_VARLEN)
+    if start + i_c * BT >= end:
+        return
+    # Walking row r is token first + r * step: one 64-bit base a chunk, 32-bit offsets from it.
+    first, step = _first_row(i_c, start, BT, REVERSE)
+    r = tl.arange(0, BT)
+    pos = first + r * step
+    valid = (pos >= start) & (pos < end)
+    row = (r * step)[:, None]
+    base = i_b.to(tl.int64) * T + first
+    offs_v = i_v * BV + tl.arange(0, BV)
+    mask_v = offs_v < V
+    slot = i_b.to(tl.int64) * NT_SLOTS + i_t
+    h_base = states + (slot * H + i_h) * K * V
+
+    b_o = tl.zeros([BT, BV], dtype=tl.float32)
+    b_s = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in range(0, tl.cdiv(K, BK)):
+        offs_k = i_k * BK + tl.arange(0, BK)
+        mask_k = offs_k < K
+        mask_qk = valid[:, None] & mask_k[None, :]
+        b_q = tl.load(q + (base * H + i_h) * K + row * (H * K) + offs_k[None, :], mask=mask_qk, other=0.0)
+        b_k = tl.load(k + (base * H_KV + i_kv) * K + row * (H_KV * K) + offs_k[None, :], mask=mask_qk,
+                      other=0.0)
+        b_h = tl.load(h_base + offs_k[:, None] * V + offs_v[None, :], mask=mask_k[:, None] & mask_v[None, :],
+                      other=0.0)
+        b_o += tl.dot(b_q, b_h.to(b_q.dtype), input_precision=F32_DOT)
+        b_s += tl.dot(b_q, tl.trans(b_k.to(b_q.dtype)), input_precision=F32_DOT)
+    if USE_G:
+        b_g = _log_decay(tl.load(a + base * H + i_h + r * step * H, mask=valid, other=0.0))
+        b_o *= tl.exp(tl.cumsum(b_g, axis=0))[:, None]
+        b_s *= _decay_matrix(b_g)
+    else:
+        b_s = tl.where(r[:, None] >= r[None, :], b_s, 0.0)
+    b_v = tl.load(v + (base * H_KV + i_kv) * V + row * (H_KV * V) + offs_v[None, :],
+                  mask=valid[:, None] & mask_v[None, :], other=0.0)
+    b_o = b_o * SCALE + tl.dot((b_s * SCALE).to(b_v.dtype), b_v, input_precision=F32_DOT)
+    tl.store(o + (base * H + i_h) * V + row * (H * V) + offs_v[None, :], b_o.to(o.dtype.element_ty),
+             mask=valid[:, None] & mask_v[None, :])
+
+
 # ----------------------------------------------------------------------------------------------
 # Backward kernels.
 # ----------------------------------------------------------------------------------------------
@@ -904,6 +1058,10 @@ def _state_grads_kernel(
     dh = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_DHT:
         dh += tl.load(dht + (i_n.to(tl.int64) * H + i_h) * K * V + state_tile, mask=mask_h, other=0.0)
+    if USE_G:  # Gamma one chunk ahead, as in _states_kernel
+        i_c = 0 if REVERSE else num_chunks - 1
+        b_gamma = tl.load(a + ((i_b.to(tl.int64) * NT_SLOTS + tl.minimum(first + i_c, NT_SLOTS - 1)) * H + i_h)
+                          * K + offs_k, mask=mask_k & (num_chunks > 0), other=0.0)
     for i in range(0, num_chunks):
         i_c = i if REVERSE else num_chunks - 1 - i
         slot = i_b.to(tl.int64) * NT_SLOTS + tl.minimum(first + i_c, NT_SLOTS - 1)
@@ -914,7 +1072,12 @@ def _state_grads_kernel(
         b_q = _load_rows(q + i_h * K, tok, valid, offs_k, mask_k, H * K)
         b_do = _load_rows(do + i_h * V, tok, valid, offs_v, mask_v, H * V)
         if USE_G:
-            dh = dh * tl.exp(tl.load(a + (slot * H + i_h) * K + offs_k, mask=mask_k, other=0.0))[:, None]
+            more = i + 1 < num_chunks
+            i_next = tl.where(more, i_c + 1 if REVERSE else i_c - 1, 0)
+            slot_next = i_b.to(tl.int64) * NT_SLOTS + tl.minimum(first + i_next, NT_SLOTS - 1)
+            gamma_next = tl.load(a + (slot_next * H + i_h) * K + offs_k, mask=mask_k & more, other=0.0)
+            dh = dh * tl.exp(b_gamma)[:, None]
+            b_gamma = gamma_next
         dh += SCALE * tl.dot(tl.trans(b_q), b_do.to(b_q.dtype), input_precision=F32_DOT)
 
     if HAS_H0:
@@ -1307,23 +1470,27 @@ def _dot_precision(dtype, config: ChunkedConfig) -> str:
     return config.float32_dot if jnp.dtype(dtype) == jnp.float32 else "tf32"
 
 
-def _run_states(static, num_heads, k, v, gamma, h0, cu, chunk_offsets, per_row, slots, flags, state_dtype):
+def _run_states(static, num_heads, k, v, gamma, h0, cu, chunk_offsets, per_row, slots, flags, state_dtype,
+                to_end=None):
     """The states at every chunk's start and the final state. With a gate ``k`` is the attention
-    kernel's decayed k (per query head) and ``gamma`` its Gamma; without, ``gamma`` is None."""
+    kernel's decayed k (per query head) and ``gamma`` its Gamma; without, ``gamma`` is None. With
+    ``to_end`` (a scalar gate's decays from each row to its chunk's end, _gate_sums_kernel's),
+    ``k`` is the key and ``gamma`` a scalar per chunk and head."""
     batch, seq_len, _, key_dim = k.shape
     num_kv_heads = v.shape[2]
     value_dim = v.shape[3]
     block_k, block_v = _fit(static.config.states, key_dim, value_dim)
     num_seqs = batch * per_row
     return triton_call(
-        k, v, _or_stand_in(gamma), _or_stand_in(h0), cu, chunk_offsets, seq_len, slots, per_row,
+        k, v, _or_stand_in(to_end), _or_stand_in(gamma), _or_stand_in(h0), cu, chunk_offsets, seq_len, slots,
+        per_row,
         kernel=_states_kernel,
         out_shape=[jax.ShapeDtypeStruct((batch * slots, num_heads, key_dim, value_dim), state_dtype),
                    jax.ShapeDtypeStruct((num_seqs, num_heads, key_dim, value_dim), jnp.float32)],
         grid=(cdiv(value_dim, block_v), cdiv(key_dim, block_k), num_seqs * num_heads),
         num_warps=static.config.states.num_warps, num_stages=static.config.states.num_stages,
         H=num_heads, H_KV=num_kv_heads, K=key_dim, V=value_dim, BT=static.chunk_size, BK=block_k, BV=block_v,
-        USE_G=flags["USE_G"], HAS_H0=h0 is not None, REVERSE=static.reverse,
+        USE_G=flags["USE_G"], DECAY_ROWS=to_end is not None, HAS_H0=h0 is not None, REVERSE=static.reverse,
         IS_VARLEN=flags["IS_VARLEN"], F32_DOT=_dot_precision(k.dtype, static.config),
     )
 
@@ -1429,6 +1596,40 @@ def _forward_launch(static, query, key, value, a, h0, cu_seqlens):
     fast = fast.reshape(batch, slots, num_heads) if _uses_fast(static, query.dtype, a) \
         else _or_stand_in(None, jnp.int32)
     return (o, final_state, A, *decayed, fast)
+
+
+def _forward_alone_launch(static, query, key, value, a, h0, cu_seqlens):
+    """The forward when no gradient is asked, with a scalar gate or none: ``(o, final_state)``
+    from two kernels, the state walk summing the gates itself and _fused_output_kernel, which
+    writes nothing for a backward (A, the decayed q and k)."""
+    batch, seq_len, num_heads, key_dim = query.shape
+    num_kv_heads, value_dim = key.shape[2], value.shape[3]
+    per_row, slots, cu, chunk_indices, chunk_offsets, flags = _layout(query, a, cu_seqlens, static.chunk_size)
+    cfg = static.config
+    to_end = gamma = None
+    if a is not None:
+        to_end, gamma = triton_call(
+            a, cu, chunk_indices, seq_len, slots, per_row,
+            kernel=_gate_sums_kernel,
+            out_shape=[jax.ShapeDtypeStruct(a.shape, jnp.float32),
+                       jax.ShapeDtypeStruct((batch * slots, num_heads), jnp.float32)],
+            grid=(slots, batch), H=num_heads, HP=max(triton.next_power_of_2(num_heads), 2),
+            BT=static.chunk_size, REVERSE=static.reverse, IS_VARLEN=flags["IS_VARLEN"],
+        )
+    states, final_state = _run_states(static, num_heads, key, value, gamma, h0, cu, chunk_offsets, per_row,
+                                      slots, flags, _state_dtype(query.dtype), to_end=to_end)
+    block_k, block_v = _fit(cfg.fused_output, key_dim, value_dim)
+    o = triton_call(
+        query, key, value, _or_stand_in(a), states, cu, chunk_indices, seq_len, slots, per_row,
+        kernel=_fused_output_kernel,
+        out_shape=jax.ShapeDtypeStruct((batch, seq_len, num_heads, value_dim), query.dtype),
+        grid=(cdiv(value_dim, block_v), slots, batch * num_heads),
+        num_warps=cfg.fused_output.num_warps, num_stages=cfg.fused_output.num_stages,
+        H=num_heads, H_KV=num_kv_heads, K=key_dim, V=value_dim, SCALE=static.scale, BT=static.chunk_size,
+        BK=block_k, BV=block_v, USE_G=flags["USE_G"], REVERSE=static.reverse, IS_VARLEN=flags["IS_VARLEN"],
+        F32_DOT=_dot_precision(query.dtype, cfg),
+    )
+    return o, final_state
 
 
 def _uses_fast(static, dtype, a) -> bool:
@@ -1581,7 +1782,9 @@ def _empty(query, value, cu_seqlens):
     return num_seqs * num_heads * key_dim * value.shape[3] == 0 or batch * seq_len == 0
 
 
-def _forward(static, query, key, value, a, h0, cu_seqlens):
+def _forward(static, query, key, value, a, h0, cu_seqlens, residuals=True):
+    """``(o, final_state, A, residuals)``; with ``residuals=False`` (the forward alone) A and the
+    residuals may be None: a scalar gate or none then takes _forward_alone_launch."""
     batch, seq_len, num_heads, key_dim = query.shape
     value_dim = value.shape[3]
     num_seqs = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
@@ -1590,6 +1793,14 @@ def _forward(static, query, key, value, a, h0, cu_seqlens):
         state = jnp.zeros((num_seqs, num_heads, key_dim, value_dim), jnp.float32) if h0 is None else h0
         A = jnp.zeros((batch, seq_len, num_heads, static.chunk_size), _scores_dtype(query.dtype, a))
         return o, state.astype(jnp.float32), A, None
+    if not residuals and (a is None or a.ndim == 3):
+        launch = vmap_by_folding(functools.partial(_forward_alone_launch, static), in_axes=_FWD_IN_AXES,
+                                 out_axes=(0, 0))
+        o, final_state = launch(query, key, value, a, h0, cu_seqlens)
+        valid = _valid_tokens(cu_seqlens, seq_len)
+        if valid is not None:
+            o = jnp.where(valid, o, 0).astype(o.dtype)
+        return o, final_state, None, None
     use_g, use_fast = a is not None, _uses_fast(static, query.dtype, a)
     launch = vmap_by_folding(functools.partial(_forward_launch, static), in_axes=_FWD_IN_AXES,
                              out_axes=(0, 0, 0) + (0 if use_g else None,) * 3 + (0 if use_fast else None,))
@@ -1604,7 +1815,7 @@ def _forward(static, query, key, value, a, h0, cu_seqlens):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _chunked(static, query, key, value, a, h0, cu_seqlens):
-    o, final_state, _, _ = _forward(static, query, key, value, a, h0, cu_seqlens)
+    o, final_state, _, _ = _forward(static, query, key, value, a, h0, cu_seqlens, residuals=False)
     return o, final_state
 
 

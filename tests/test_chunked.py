@@ -67,6 +67,8 @@ def check(rng, inputs, dtype=jnp.float32, use=("output", "final_state"), against
     cotangents = {key: jnp.asarray(rng.normal(size=value.shape), value.dtype) for key, value in outs.items()}
     grads = vjp(cotangents)
     full = outs if len(outs) == 2 else call(chunked_recurrent, options, *arrays)
+    # The forward alone (no gradient asked) has kernels of its own for scalar gates or none.
+    alone = call(chunked_recurrent, options, *arrays)
 
     with jax.enable_x64(True):
         arrays64 = [jnp.asarray(np.asarray(a, np.float64)) for a in arrays]
@@ -90,6 +92,7 @@ def check(rng, inputs, dtype=jnp.float32, use=("output", "final_state"), against
     assert full["output"].dtype == dtype and full["final_state"].dtype == jnp.float32
     tolerance = TOLERANCE[jnp.dtype(dtype).name]
     errors = {key: rel_err(full[key], ref_full[key]) for key in full}
+    errors.update({f"{key} alone": rel_err(alone[key], ref_full[key]) for key in alone})
     for name, grad, ref_grad, array in zip(names, grads, ref_grads, arrays):
         assert grad.dtype == array.dtype, (name, grad.dtype)
         errors["d" + name] = rel_err(grad, ref_grad)
@@ -202,22 +205,22 @@ def test_grouped_heads(rng):
     check(rng, inputs, chunk_size=16)
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_several_tiles_and_sub_chunks(rng, packed):
+@pytest.mark.parametrize("packed,gates", [(False, ALL_GATES), (True, ALL_GATES), (True, ("g", "g_gamma"))])
+def test_several_tiles_and_sub_chunks(rng, packed, gates):
     """Tiles narrower than K and V (three of each) and 32-token sub-chunks in 64-token chunks,
-    their walks unrolled by two."""
+    their walks unrolled by two; scalar gates alone take the forward's own kernels."""
     tiles = KernelConfig(block_k=16, block_v=16, num_warps=2, num_stages=1, unroll=2)
     every_kernel = ChunkedConfig.kernel_fields()
-    assert len(every_kernel) == 11, every_kernel
+    assert len(every_kernel) == 12, every_kernel
     config = ChunkedConfig(**dict.fromkeys(every_kernel, tiles), sub_chunk=32, float32_dot="ieee")
     options = dict(chunk_size=64, config=config)
     if packed:
         lengths = [40, 0, 1, 29]
         options["cu_seqlens"] = packing(lengths)
-        inputs = make_inputs(rng, batch=1, seq_len=72, key_dim=40, value_dim=36, gates=ALL_GATES,
+        inputs = make_inputs(rng, batch=1, seq_len=72, key_dim=40, value_dim=36, gates=gates,
                              num_states=len(lengths))
     else:
-        inputs = make_inputs(rng, batch=1, seq_len=70, key_dim=40, value_dim=36, gates=ALL_GATES)
+        inputs = make_inputs(rng, batch=1, seq_len=70, key_dim=40, value_dim=36, gates=gates)
     check(rng, inputs, reverse=packed, **options)
 
 

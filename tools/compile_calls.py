@@ -29,6 +29,7 @@ for dtype, chunk, names, rev, cu in itertools.product(
         return o.astype(jnp.float32).sum()
 
     jax.grad(loss, argnums=(0, 1, 2))(*(x.astype(dtype) for x in (q, k, v)))
+    loss(*(x.astype(dtype) for x in (q, k, v)))  # the forward alone: kernels of its own
 
 for dtype in ["float32", "bfloat16"]:
     x = q.astype(dtype)
