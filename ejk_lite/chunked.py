@@ -103,11 +103,13 @@ forward keeps ``q exp(G)``, ``k exp(Gamma - G)`` (two arrays of ``q``'s size, in
 and ``Gamma`` for the backward, whose states, ``D`` and ``dv`` then read no gates.
 
 **The forward alone.** When no gradient is asked (the ``custom_vjp``'s primal), nothing need be
-kept, and with a scalar gate (or none) two kernels suffice: the state walk sums the gates of
-each chunk itself and decays ``k`` on the fly, and ``_fused_output_kernel`` forms ``A`` in
-registers, scaling the rows of ``q H`` by ``exp(G_i)`` after the product (a scalar per row).
-It reads ``q``, ``k``, ``v`` and the states and writes ``o``: no ``A`` and no decayed copies of
-``q`` and ``k`` go through memory.
+kept, and a scalar gate (or none) takes three kernels of its own. ``_gate_sums_kernel`` sums the
+gates of each chunk once: every row's log-decay to its chunk's end, and the chunk's ``Gamma``, a
+number a row and one a chunk. The state walk reads them and decays ``k`` as it loads it, so its
+sequential steps sum nothing (summed inside the walk, they cost more than the walk itself).
+``_fused_output_kernel`` forms ``A`` in registers, scaling the rows of ``q H`` by ``exp(G_i)``
+after the product (a scalar per row). Neither ``A`` nor decayed copies of ``q`` and ``k`` go
+through memory.
 
 **Layouts.** Chunks are counted from each sequence's first token. ``reverse=True`` walks each
 sequence from its last token: the kernels visit a chunk's rows in walking order (row ``r`` of
@@ -121,9 +123,11 @@ Kernels (``BT`` = chunk size, ``N`` sequences, ``NT`` chunk slots per batch row)
 ====================  =====================  ===================================================
 kernel                grid                   computes
 ====================  =====================  ===================================================
+_gate_sums_kernel     (NT, B)                the forward alone, scalar gate: each row's decay
+                                             to its chunk's end, Gamma per chunk (every head)
 _states_kernel        (V/BV, K/BK, N * H)    walks the chunks: H at every chunk's start, final
                                              state (forward; again in the backward); the
-                                             forward alone sums a scalar gate itself
+                                             forward alone decays k's rows as it loads them
 _attention_kernel     (NT, B * H)            A, the masked intra-chunk attention [BT, BT]
                                              (scalar gate or none); with a gate q exp(G),
                                              k exp(Gamma - G), Gamma, as the next
@@ -239,6 +243,19 @@ class ChunkedConfig:
     # 0.545, 4 stages 0.308, 5 0.281, 8 warps 0.298, BK32 0.271), fla's chunk_fwd_kernel_h 0.204;
     # at B4 T4096 H16 K=V=128 0.091 (BV64 0.083, fla 0.069).
     states: KernelConfig = KernelConfig(block_v=32, num_stages=3)
+    # The forward alone's walk (_states_kernel decaying k's rows, after _gate_sums_kernel):
+    # these tiles, halved (V first, down to 32) while the walk would launch fewer than
+    # min_walk_programs programs. Measured (H200, bf16, scalar gate, per-kernel medians over one
+    # trace, two machines; bench/_probe_chunked_gk.py --forward-only, not recorded): at B4 T4096
+    # H16 K=V=128 (256 programs) 0.082 ms at BK64 BV64 4 stages, 4 or 8 warps, against 0.091 at
+    # the walk's tiles above (BK32 BV32 0.145); at B1 T32768 H8 K=V=64 (32 programs once halved
+    # to BK32 BV32) 0.255 at 8 warps 4 stages (4 warps 0.265, 2 warps 0.519; 3 or 5 stages
+    # 0.264 at 4 warps), against 0.277 above; fla's chunk_fwd_kernel_h 0.204 there, whose
+    # autotuning picks BK32 BV32 4 stages too. Deeper look-ahead of the decays (two or three
+    # chunks, in registers) and decaying v instead of k lost or did not help: 0.47-0.51 ms,
+    # 0.245-0.268.
+    states_alone: KernelConfig = KernelConfig(block_k=64, block_v=64, num_warps=8, num_stages=4)
+    min_walk_programs: int = 128
     # Measured (H100, bf16, B4 T4096 H16 K=V=128, per-kernel medians over one trace; probes,
     # not recorded): _gk_attention_kernel 0.40 ms at BK64 4 warps (at this tree: BK32 4 warps
     # with one stage 0.42, BK32 2 warps 0.44, BK16 2 warps 0.43, BK64 2 warps 0.69, BK16 one
@@ -304,6 +321,10 @@ class ChunkedConfig:
             value = getattr(self, name)
             if not isinstance(value, KernelConfig):
                 raise ValueError(f"ChunkedConfig.{name} must be a KernelConfig, got {value!r}")
+        programs = self.min_walk_programs
+        if not isinstance(programs, (int, np.integer)) or isinstance(programs, (bool, np.bool_)) or programs < 1:
+            raise ValueError(f"ChunkedConfig.min_walk_programs must be an int >= 1, got {programs!r}")
+        object.__setattr__(self, "min_walk_programs", int(programs))
         sub = self.sub_chunk
         is_int = isinstance(sub, (int, np.integer)) and not isinstance(sub, (bool, np.bool_))
         if not is_int or sub not in (16, 32, 64):
@@ -386,6 +407,18 @@ def _chunk_of_program(cu_seqlens, chunk_indices, i_t, T, num_seqs, IS_VARLEN: tl
 
 
 @triton.jit
+def _head_chunk_of_program(cu_seqlens, chunk_indices, i_t, i_bh, T, num_seqs, H: tl.constexpr,
+                           H_KV: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """The opening of every kernel with a program per chunk and head: (batch row, query head, the
+    key/value head serving it, then :func:`_chunk_of_program`'s chunk, start and end) of chunk
+    slot ``i_t`` of batch row and query head ``i_bh``. The caller returns at once where the
+    chunk is empty (``start + i_c * BT >= end``: a spare slot)."""
+    i_b, i_h = i_bh // H, i_bh % H
+    i_c, start, end = _chunk_of_program(cu_seqlens, chunk_indices, i_t, T, num_seqs, IS_VARLEN)
+    return i_b, i_h, i_h // (H // H_KV), i_c, start, end
+
+
+@triton.jit
 def _sequence_of_program(cu_seqlens, chunk_offsets, i_n, T, NT_SLOTS, num_seqs, IS_VARLEN: tl.constexpr):
     """(batch row, start, end, first chunk slot) of sequence ``i_n`` (of ``B * num_seqs``)."""
     if IS_VARLEN:
@@ -400,6 +433,19 @@ def _sequence_of_program(cu_seqlens, chunk_offsets, i_n, T, NT_SLOTS, num_seqs, 
         end = T
         first = 0
     return i_b, start, end, first
+
+
+@triton.jit
+def _chunk_gamma(chunk_decay, slot, live, i_h, offs_k, mask_k, H: tl.constexpr, K: tl.constexpr,
+                 PER_KEY: tl.constexpr):
+    """Gamma, the log-decay over the whole chunk in ``slot`` (flat over batch rows, clamped by the
+    caller), for head ``i_h``: ``[BK]`` from ``[B * NT_SLOTS, H, K]`` (PER_KEY) or a scalar from
+    ``[B * NT_SLOTS, H]``; 0 where not ``live``. The state walks load it a chunk ahead."""
+    if PER_KEY:
+        gamma = tl.load(chunk_decay + (slot * H + i_h) * K + offs_k, mask=mask_k & live, other=0.0)
+    else:
+        gamma = tl.load(chunk_decay + slot * H + i_h, mask=live, other=0.0)
+    return gamma
 
 
 @triton.jit
@@ -624,12 +670,11 @@ def _states_kernel(
         h += tl.load(h0 + (i_n.to(tl.int64) * H + i_h) * K * V + state_tile, mask=mask_h, other=0.0)
     i_c = num_chunks - 1 if REVERSE else 0
     some = num_chunks > 0
+    if USE_G:  # Gamma per key column (the attention kernels') or per chunk (DECAY_ROWS)
+        b_gamma = _chunk_gamma(chunk_decay, tl.minimum(slots + i_c, last_slot), some, i_h, offs_k, mask_k, H, K,
+                               not DECAY_ROWS)
     if DECAY_ROWS:
         b_d = tl.load(decay + (seq + i_c * BT + r) * H + i_h, mask=some & (i_c * BT + r < length), other=0.0)
-        b_gamma = tl.load(chunk_decay + tl.minimum(slots + i_c, last_slot) * H + i_h, mask=some, other=0.0)
-    elif USE_G:
-        b_gamma = tl.load(chunk_decay + (tl.minimum(slots + i_c, last_slot) * H + i_h) * K + offs_k,
-                          mask=mask_k & some, other=0.0)
     for i in range(0, num_chunks):
         i_c = num_chunks - 1 - i if REVERSE else i
         more = i + 1 < num_chunks
@@ -648,13 +693,12 @@ def _states_kernel(
             # are, and h decays by the whole chunk's Gamma.
             d_next = tl.load(decay + (seq + i_next * BT + r) * H + i_h, mask=more & (i_next * BT + r < length),
                              other=0.0)
-            gamma_next = tl.load(chunk_decay + slot_next * H + i_h, mask=more, other=0.0)
+            gamma_next = _chunk_gamma(chunk_decay, slot_next, more, i_h, offs_k, mask_k, H, K, False)
             b_k = (b_k.to(tl.float32) * tl.exp(b_d)[:, None]).to(b_k.dtype)
             h = h * tl.exp(b_gamma)
             b_d, b_gamma = d_next, gamma_next
         elif USE_G:
-            gamma_next = tl.load(chunk_decay + (slot_next * H + i_h) * K + offs_k, mask=mask_k & more,
-                                 other=0.0)
+            gamma_next = _chunk_gamma(chunk_decay, slot_next, more, i_h, offs_k, mask_k, H, K, True)
             h = h * tl.exp(b_gamma)[:, None]
             b_gamma = gamma_next
         h += tl.dot(tl.trans(b_k), b_v, input_precision=F32_DOT)
@@ -680,9 +724,8 @@ def _attention_kernel(
     # B1 T32768 H8 K=V=64, 16 programs walking 512 chunks each: _states_kernel 0.78 -> 0.43 ms,
     # the forward 0.92 -> 0.59).
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    i_kv = i_h // (H // H_KV)
-    i_c, start, end = _chunk_of_program(cu_seqlens, chunk_indices, i_t, T, num_seqs, IS_VARLEN)
+    i_b, i_h, i_kv, i_c, start, end = _head_chunk_of_program(cu_seqlens, chunk_indices, i_t, i_bh, T, num_seqs,
+                                                             H, H_KV, IS_VARLEN)
     if start + i_c * BT >= end:
         return
     row_base = i_b.to(tl.int64) * T
@@ -733,9 +776,8 @@ def _gk_fast_kernel(
     # triangle kept: exp(G_i) <= 1 and exp(-G_j) <= exp(FAST_DECAY), so nothing overflows
     # (entries above the diagonal, dropped, are at most exp(FAST_DECAY) times q_i . k_j).
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    i_kv = i_h // (H // H_KV)
-    i_c, start, end = _chunk_of_program(cu_seqlens, chunk_indices, i_t, T, num_seqs, IS_VARLEN)
+    i_b, i_h, i_kv, i_c, start, end = _head_chunk_of_program(cu_seqlens, chunk_indices, i_t, i_bh, T, num_seqs,
+                                                             H, H_KV, IS_VARLEN)
     slot = i_b.to(tl.int64) * NT_SLOTS + i_t
     if start + i_c * BT >= end:
         return
@@ -812,9 +854,8 @@ def _gk_attention_kernel(
     # decays the states and the output need, so it writes the decayed q and k and Gamma for
     # them: they then read neither the gates nor sum anything.
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    i_kv = i_h // (H // H_KV)
-    i_c, start, end = _chunk_of_program(cu_seqlens, chunk_indices, i_t, T, num_seqs, IS_VARLEN)
+    i_b, i_h, i_kv, i_c, start, end = _head_chunk_of_program(cu_seqlens, chunk_indices, i_t, i_bh, T, num_seqs,
+                                                             H, H_KV, IS_VARLEN)
     if start + i_c * BT >= end:
         return
     if USE_FAST:
@@ -893,9 +934,8 @@ def _gk_diagonal_kernel(
     i_tc, i_bh = tl.program_id(0), tl.program_id(1)
     NC: tl.constexpr = BT // BC
     i_t, i_s = i_tc // NC, i_tc % NC
-    i_b, i_h = i_bh // H, i_bh % H
-    i_kv = i_h // (H // H_KV)
-    i_c, start, end = _chunk_of_program(cu_seqlens, chunk_indices, i_t, T, num_seqs, IS_VARLEN)
+    i_b, i_h, i_kv, i_c, start, end = _head_chunk_of_program(cu_seqlens, chunk_indices, i_t, i_bh, T, num_seqs,
+                                                             H, H_KV, IS_VARLEN)
     if start + i_c * BT >= end:
         return
     if USE_FAST:
@@ -939,9 +979,8 @@ def _output_kernel(
     # One program: a [BT, BV] tile of the output of one chunk: o = scale (q exp(G)) H + A v,
     # q already q exp(G) with a gate (the attention kernels').
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h = i_bh // H, i_bh % H
-    i_kv = i_h // (H // H_KV)
-    i_c, start, end = _chunk_of_program(cu_seqlens, chunk_indices, i_t, T, num_seqs, IS_VARLEN)
+    i_b, i_h, i_kv, i_c, start, end = _head_chunk_of_program(cu_seqlens, chunk_indices, i_t, i_bh, T, num_seqs,
+                                                             H, H_KV, IS_VARLEN)
     if start + i_c * BT >= end:
         return
     row_base = i_b.to(tl.int64) * T
@@ -982,9 +1021,8 @@ def _fused_output_kernel(
     # whole row, so it multiplies q H after the product (no decayed copy of q is written), and D
     # is _decay_matrix. q k^T is recomputed for every V tile (one tile at V <= BV).
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h = i_bh // H, i_bh % H
-    i_kv = i_h // (H // H_KV)
-    i_c, start, end = _chunk_of_program(cu_seqlens, chunk_indices, i_t, T, num_seqs, IS_VARLEN)
+    i_b, i_h, i_kv, i_c, start, end = _head_chunk_of_program(cu_seqlens, chunk_indices, i_t, i_bh, T, num_seqs,
+                                                             H, H_KV, IS_VARLEN)
     if start + i_c * BT >= end:
         return
     # Walking row r is token first + r * step: one 64-bit base a chunk, 32-bit offsets from it.
@@ -1058,13 +1096,15 @@ def _state_grads_kernel(
     dh = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_DHT:
         dh += tl.load(dht + (i_n.to(tl.int64) * H + i_h) * K * V + state_tile, mask=mask_h, other=0.0)
+    slots = i_b.to(tl.int64) * NT_SLOTS + first  # the sequence's first chunk slot
+    last_slot = i_b.to(tl.int64) * NT_SLOTS + NT_SLOTS - 1  # clamped to it, as every index read
     if USE_G:  # Gamma one chunk ahead, as in _states_kernel
         i_c = 0 if REVERSE else num_chunks - 1
-        b_gamma = tl.load(a + ((i_b.to(tl.int64) * NT_SLOTS + tl.minimum(first + i_c, NT_SLOTS - 1)) * H + i_h)
-                          * K + offs_k, mask=mask_k & (num_chunks > 0), other=0.0)
+        b_gamma = _chunk_gamma(a, tl.minimum(slots + i_c, last_slot), num_chunks > 0, i_h, offs_k, mask_k, H, K,
+                               True)
     for i in range(0, num_chunks):
         i_c = i if REVERSE else num_chunks - 1 - i
-        slot = i_b.to(tl.int64) * NT_SLOTS + tl.minimum(first + i_c, NT_SLOTS - 1)
+        slot = tl.minimum(slots + i_c, last_slot)
         tl.store(dstates + (slot * H + i_h) * K * V + state_tile, dh.to(dstates.dtype.element_ty),
                  mask=mask_h)
 
@@ -1074,8 +1114,8 @@ def _state_grads_kernel(
         if USE_G:
             more = i + 1 < num_chunks
             i_next = tl.where(more, i_c + 1 if REVERSE else i_c - 1, 0)
-            slot_next = i_b.to(tl.int64) * NT_SLOTS + tl.minimum(first + i_next, NT_SLOTS - 1)
-            gamma_next = tl.load(a + (slot_next * H + i_h) * K + offs_k, mask=mask_k & more, other=0.0)
+            gamma_next = _chunk_gamma(a, tl.minimum(slots + i_next, last_slot), more, i_h, offs_k, mask_k, H, K,
+                                      True)
             dh = dh * tl.exp(b_gamma)[:, None]
             b_gamma = gamma_next
         dh += SCALE * tl.dot(tl.trans(b_q), b_do.to(b_q.dtype), input_precision=F32_DOT)
@@ -1094,9 +1134,8 @@ def _dA_kernel(
 ):
     # dA_ij = do_i . v_j for j <= i (walking order), summed over V tiles.
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    i_kv = i_h // (H // H_KV)
-    i_c, start, end = _chunk_of_program(cu_seqlens, chunk_indices, i_t, T, num_seqs, IS_VARLEN)
+    i_b, i_h, i_kv, i_c, start, end = _head_chunk_of_program(cu_seqlens, chunk_indices, i_t, i_bh, T, num_seqs,
+                                                             H, H_KV, IS_VARLEN)
     if start + i_c * BT >= end:
         return
     row_base = i_b.to(tl.int64) * T
@@ -1135,9 +1174,8 @@ def _gk_fast_grads_kernel(
     #     dk~ = exp(-G) * ((dA below the diagonal)^T (scale q exp(G)))
     # One program: one chunk, one K tile.
     i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h = i_bh // H, i_bh % H
-    i_kv = i_h // (H // H_KV)
-    i_c, start, end = _chunk_of_program(cu_seqlens, chunk_indices, i_t, T, num_seqs, IS_VARLEN)
+    i_b, i_h, i_kv, i_c, start, end = _head_chunk_of_program(cu_seqlens, chunk_indices, i_t, i_bh, T, num_seqs,
+                                                             H, H_KV, IS_VARLEN)
     if start + i_c * BT >= end:
         return
     if tl.load(fast + (i_b.to(tl.int64) * NT_SLOTS + i_t) * H + i_h) == 0:
@@ -1191,9 +1229,8 @@ def _intra_grads_kernel(
     # after it.
     i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NC: tl.constexpr = BT // BC
-    i_b, i_h = i_bh // H, i_bh % H
-    i_kv = i_h // (H // H_KV)
-    i_c, start, end = _chunk_of_program(cu_seqlens, chunk_indices, i_t, T, num_seqs, IS_VARLEN)
+    i_b, i_h, i_kv, i_c, start, end = _head_chunk_of_program(cu_seqlens, chunk_indices, i_t, i_bh, T, num_seqs,
+                                                             H, H_KV, IS_VARLEN)
     if start + i_c * BT >= end:
         return
     if USE_FAST:
@@ -1315,9 +1352,8 @@ def _dv_kernel(
     # dv = A^T do + (k exp(Gamma - G)) D. USE_G: k is already k exp(Gamma - G), per query head
     # (the attention kernels').
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h = i_bh // H, i_bh % H
-    i_kv = i_h // (H // H_KV)
-    i_c, start, end = _chunk_of_program(cu_seqlens, chunk_indices, i_t, T, num_seqs, IS_VARLEN)
+    i_b, i_h, i_kv, i_c, start, end = _head_chunk_of_program(cu_seqlens, chunk_indices, i_t, i_bh, T, num_seqs,
+                                                             H, H_KV, IS_VARLEN)
     if start + i_c * BT >= end:
         return
     row_base = i_b.to(tl.int64) * T
@@ -1357,9 +1393,8 @@ def _inter_grads_kernel(
     # One program: one chunk, one K tile. The state terms (a loop over V tiles) and, for scalar
     # gates or none, the intra-chunk ones; per-key gates bring theirs from _intra_grads_kernel.
     i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h = i_bh // H, i_bh % H
-    i_kv = i_h // (H // H_KV)
-    i_c, start, end = _chunk_of_program(cu_seqlens, chunk_indices, i_t, T, num_seqs, IS_VARLEN)
+    i_b, i_h, i_kv, i_c, start, end = _head_chunk_of_program(cu_seqlens, chunk_indices, i_t, i_bh, T, num_seqs,
+                                                             H, H_KV, IS_VARLEN)
     if start + i_c * BT >= end:
         return
     row_base = i_b.to(tl.int64) * T
@@ -1470,17 +1505,40 @@ def _dot_precision(dtype, config: ChunkedConfig) -> str:
     return config.float32_dot if jnp.dtype(dtype) == jnp.float32 else "tf32"
 
 
+def _walk_tiles(config: KernelConfig, key_dim: int, value_dim: int, walks: int, min_programs: int):
+    """(BK, BV) for a state walk of ``walks`` sequences x heads: the configured tiles (_fit),
+    halved, V first and not below 32, while the walk would launch fewer than ``min_programs``
+    programs (few long sequences: each program's steps are sequential, so more of them in
+    flight is what shortens the walk)."""
+    block_k, block_v = _fit(config, key_dim, value_dim)
+    while walks * cdiv(key_dim, block_k) * cdiv(value_dim, block_v) < min_programs:
+        if block_v > 32 and block_v >= block_k:
+            block_v //= 2
+        elif block_k > 32:
+            block_k //= 2
+        else:
+            break
+    return block_k, block_v
+
+
 def _run_states(static, num_heads, k, v, gamma, h0, cu, chunk_offsets, per_row, slots, flags, state_dtype,
-                to_end=None):
+                to_end=None, alone=False):
     """The states at every chunk's start and the final state. With a gate ``k`` is the attention
     kernel's decayed k (per query head) and ``gamma`` its Gamma; without, ``gamma`` is None. With
     ``to_end`` (a scalar gate's decays from each row to its chunk's end, _gate_sums_kernel's),
-    ``k`` is the key and ``gamma`` a scalar per chunk and head."""
+    ``k`` is the key and ``gamma`` a scalar per chunk and head. ``alone``: the forward alone's
+    walk, with ``config.states_alone`` (see _walk_tiles)."""
     batch, seq_len, _, key_dim = k.shape
     num_kv_heads = v.shape[2]
     value_dim = v.shape[3]
-    block_k, block_v = _fit(static.config.states, key_dim, value_dim)
     num_seqs = batch * per_row
+    if alone:
+        kernel_config = static.config.states_alone
+        block_k, block_v = _walk_tiles(kernel_config, key_dim, value_dim, num_seqs * num_heads,
+                                       static.config.min_walk_programs)
+    else:
+        kernel_config = static.config.states
+        block_k, block_v = _fit(kernel_config, key_dim, value_dim)
     return triton_call(
         k, v, _or_stand_in(to_end), _or_stand_in(gamma), _or_stand_in(h0), cu, chunk_offsets, seq_len, slots,
         per_row,
@@ -1488,7 +1546,7 @@ def _run_states(static, num_heads, k, v, gamma, h0, cu, chunk_offsets, per_row, 
         out_shape=[jax.ShapeDtypeStruct((batch * slots, num_heads, key_dim, value_dim), state_dtype),
                    jax.ShapeDtypeStruct((num_seqs, num_heads, key_dim, value_dim), jnp.float32)],
         grid=(cdiv(value_dim, block_v), cdiv(key_dim, block_k), num_seqs * num_heads),
-        num_warps=static.config.states.num_warps, num_stages=static.config.states.num_stages,
+        num_warps=kernel_config.num_warps, num_stages=kernel_config.num_stages,
         H=num_heads, H_KV=num_kv_heads, K=key_dim, V=value_dim, BT=static.chunk_size, BK=block_k, BV=block_v,
         USE_G=flags["USE_G"], DECAY_ROWS=to_end is not None, HAS_H0=h0 is not None, REVERSE=static.reverse,
         IS_VARLEN=flags["IS_VARLEN"], F32_DOT=_dot_precision(k.dtype, static.config),
@@ -1600,8 +1658,8 @@ def _forward_launch(static, query, key, value, a, h0, cu_seqlens):
 
 def _forward_alone_launch(static, query, key, value, a, h0, cu_seqlens):
     """The forward when no gradient is asked, with a scalar gate or none: ``(o, final_state)``
-    from two kernels, the state walk summing the gates itself and _fused_output_kernel, which
-    writes nothing for a backward (A, the decayed q and k)."""
+    from _gate_sums_kernel (with a gate), the state walk (decaying k's rows as it loads them)
+    and _fused_output_kernel. Nothing is written for a backward (A, the decayed q and k)."""
     batch, seq_len, num_heads, key_dim = query.shape
     num_kv_heads, value_dim = key.shape[2], value.shape[3]
     per_row, slots, cu, chunk_indices, chunk_offsets, flags = _layout(query, a, cu_seqlens, static.chunk_size)
@@ -1617,7 +1675,7 @@ def _forward_alone_launch(static, query, key, value, a, h0, cu_seqlens):
             BT=static.chunk_size, REVERSE=static.reverse, IS_VARLEN=flags["IS_VARLEN"],
         )
     states, final_state = _run_states(static, num_heads, key, value, gamma, h0, cu, chunk_offsets, per_row,
-                                      slots, flags, _state_dtype(query.dtype), to_end=to_end)
+                                      slots, flags, _state_dtype(query.dtype), to_end=to_end, alone=True)
     block_k, block_v = _fit(cfg.fused_output, key_dim, value_dim)
     o = triton_call(
         query, key, value, _or_stand_in(a), states, cu, chunk_indices, seq_len, slots, per_row,
@@ -1964,7 +2022,8 @@ def chunked_recurrent(
 
     Raises:
         ValueError: naming the argument, for anything :func:`ejk_lite.recurrent` refuses, a ``gv``,
-        a bad ``chunk_size``, ``impl`` or ``config``, or float64 inputs with ``impl="triton"``.
+        a bad ``chunk_size``, ``impl`` or ``config``, float64 inputs with ``impl="triton"``, or
+        (Triton) a chunk of ``chunk_size * H * max(K, V) >= 2**31`` elements.
     """
     if sequence_parallelism_mesh_axis_name is not None:  # each shard holds a slice of the sequence
         return sequence_parallel.linear_attention(chunked_recurrent, **locals())
@@ -1989,5 +2048,13 @@ def chunked_recurrent(
                          f"{query.dtype}/{key.dtype}/{value.dtype}; use impl='xla'")
     if impl == "xla":
         return reference(query, key, value, g, g_gamma, gk, None, scale, initial_state, reverse, cu_seqlens)
+    num_heads, key_dim, value_dim = query.shape[2], query.shape[3], value.shape[3]
+    if max(chunk_size * num_heads * max(key_dim, value_dim), key_dim * value_dim) >= 2**31:
+        # Several kernels address a chunk's rows (and a state's tile) in 32 bits from a 64-bit
+        # base: cheaper than 64-bit offsets per element (see ChunkedConfig.fast).
+        raise ValueError(f"chunk_size x heads x max(K, V) = {chunk_size} x {num_heads} x "
+                         f"{max(key_dim, value_dim)} (or K x V = {key_dim} x {value_dim}) reaches 2**31 "
+                         f"elements, past the kernels' 32-bit offsets within a chunk; use a smaller "
+                         f"chunk_size or impl='xla'")
     static = _Static(scale=scale, chunk_size=chunk_size, reverse=reverse, config=config)
     return _chunked_jit(static, query, key, value, g, g_gamma, gk, initial_state, cu_seqlens)

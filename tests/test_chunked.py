@@ -11,7 +11,7 @@ import pytest
 from conftest import TOLERANCE, rel_err
 
 import ejk_lite
-from ejk_lite.chunked import ChunkedConfig, KernelConfig, _forward, _Static
+from ejk_lite.chunked import ChunkedConfig, KernelConfig, _forward, _Static, _walk_tiles
 from ejk_lite.chunked import chunked_recurrent as _chunked_recurrent
 
 # The kernels, wherever the tests run ("auto" is XLA, the reference itself, on a CPU).
@@ -211,7 +211,7 @@ def test_several_tiles_and_sub_chunks(rng, packed, gates):
     their walks unrolled by two; scalar gates alone take the forward's own kernels."""
     tiles = KernelConfig(block_k=16, block_v=16, num_warps=2, num_stages=1, unroll=2)
     every_kernel = ChunkedConfig.kernel_fields()
-    assert len(every_kernel) == 12, every_kernel
+    assert len(every_kernel) == 13, every_kernel
     config = ChunkedConfig(**dict.fromkeys(every_kernel, tiles), sub_chunk=32, float32_dot="ieee")
     options = dict(chunk_size=64, config=config)
     if packed:
@@ -473,6 +473,20 @@ def test_bad_arguments(kwargs, argument):
         chunked_recurrent(q, k, v, **kwargs)
 
 
+@pytest.mark.parametrize("heads, key_dim, value_dim", [(1024, 32768, 64), (2, 8, 2**27)])
+def test_refuses_chunks_past_32_bit_offsets(heads, key_dim, value_dim):
+    # Traced only (jax.eval_shape): the arrays are never allocated. The first shape's chunk of 64
+    # holds 64 x 1024 x 32768 = 2**31 elements (a chunk of 32, half that, is taken); the second
+    # shape's state tile K x V is 2**30, its chunk 2**34.
+    q = jax.ShapeDtypeStruct((1, 64, heads, key_dim), jnp.bfloat16)
+    v = jax.ShapeDtypeStruct((1, 64, heads, value_dim), jnp.bfloat16)
+    with pytest.raises(ValueError, match="chunk_size x heads x max"):
+        jax.eval_shape(lambda q, k, v: chunked_recurrent(q, k, v, impl="triton"), q, q, v)
+    if value_dim == 64:
+        jax.eval_shape(lambda q, k, v: chunked_recurrent(q, k, v, impl="triton", chunk_size=32), q, q, v)
+    jax.eval_shape(lambda q, k, v: chunked_recurrent(q, k, v, impl="xla"), q, q, v)  # no such bound
+
+
 @pytest.mark.parametrize("make, field", [
     (lambda: KernelConfig(block_k=8), "block_k"), (lambda: KernelConfig(block_v=48), "block_v"),
     (lambda: KernelConfig(num_warps=3), "num_warps"), (lambda: KernelConfig(num_stages=0), "num_stages"),
@@ -482,10 +496,25 @@ def test_bad_arguments(kwargs, argument):
     (lambda: ChunkedConfig(states=(64, 64)), "states"),
     (lambda: ChunkedConfig(fast_decay=-1.0), "fast_decay"), (lambda: ChunkedConfig(fast_decay=41), "fast_decay"),
     (lambda: ChunkedConfig(fast_decay="20"), "fast_decay"), (lambda: ChunkedConfig(fast_decay=True), "fast_decay"),
+    (lambda: ChunkedConfig(min_walk_programs=0), "min_walk_programs"),
+    (lambda: ChunkedConfig(min_walk_programs=True), "min_walk_programs"),
 ])
 def test_bad_config(make, field):
     with pytest.raises(ValueError, match=field):
         make()
+
+
+@pytest.mark.parametrize("key_dim, value_dim, walks, tiles", [
+    (64, 64, 8, (32, 32)),     # B1 H8 K=V=64: 8 programs at 64 x 64, 32 once halved twice
+    (64, 64, 64, (64, 32)),    # 64 -> 128 programs with V halved once
+    (128, 128, 64, (64, 64)),  # B4 H16 K=V=128: 256 programs already
+    (64, 64, 1, (32, 32)),     # never below 32
+    (16, 48, 2, (16, 32)),     # tiles cut to K first (16), then V halved from 64 to 32
+])
+def test_walk_tiles(key_dim, value_dim, walks, tiles):
+    """The forward alone's walk narrows its tiles, V first, while it has fewer than 128 programs."""
+    config = ChunkedConfig()
+    assert _walk_tiles(config.states_alone, key_dim, value_dim, walks, config.min_walk_programs) == tiles
 
 
 def test_config_numpy_ints_and_hashable():
