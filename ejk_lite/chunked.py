@@ -109,7 +109,13 @@ number a row and one a chunk. The state walk reads them and decays ``k`` as it l
 sequential steps sum nothing (summed inside the walk, they cost more than the walk itself).
 ``_fused_output_kernel`` forms ``A`` in registers, scaling the rows of ``q H`` by ``exp(G_i)``
 after the product (a scalar per row). Neither ``A`` nor decayed copies of ``q`` and ``k`` go
-through memory.
+through memory. A walk's steps are sequential, so few long sequences leave most of the GPU idle:
+without packing, and with fewer walks than ``min_walk_programs`` (``ChunkedConfig``), the walk
+is cut into ``S`` segments walked at once, each but the first from a zero state.
+``_segments_kernel`` then walks the segments' last states ``F_s`` (``S`` steps):
+``E_{s+1} = exp(Gamma_s) E_s + F_s``, ``Gamma_s`` the decay over segment ``s``; and
+``_fused_output_kernel`` adds to a chunk's state the ``E_s`` of its segment, decayed from the
+segment's start to the chunk (a direct sum of the chunks' ``Gamma``).
 
 **Layouts.** Chunks are counted from each sequence's first token. ``reverse=True`` walks each
 sequence from its last token: the kernels visit a chunk's rows in walking order (row ``r`` of
@@ -118,16 +124,19 @@ so every formula above holds as written, in walking order. Grouped heads: key/va
 serves query heads ``j G ... (j + 1) G - 1``; each query head has its own state and gates; the
 key/value gradients are computed per query head and summed over the group.
 
-Kernels (``BT`` = chunk size, ``N`` sequences, ``NT`` chunk slots per batch row):
+Kernels (``BT`` = chunk size, ``N`` sequences, ``NT`` chunk slots per batch row, ``S`` segments
+of a walk: 1 but where the forward alone cuts its walk):
 
 ====================  =====================  ===================================================
 kernel                grid                   computes
 ====================  =====================  ===================================================
 _gate_sums_kernel     (NT, B)                the forward alone, scalar gate: each row's decay
                                              to its chunk's end, Gamma per chunk (every head)
-_states_kernel        (V/BV, K/BK, N * H)    walks the chunks: H at every chunk's start, final
+_states_kernel        (V/BV, K/BK, N*H*S)    walks the chunks: H at every chunk's start, final
                                              state (forward; again in the backward); the
                                              forward alone decays k's rows as it loads them
+_segments_kernel      (V/BV, K/BK, B * H)    the forward alone, a walk cut into segments: the
+                                             state handed to each segment, the final state
 _attention_kernel     (NT, B * H)            A, the masked intra-chunk attention [BT, BT]
                                              (scalar gate or none); with a gate q exp(G),
                                              k exp(Gamma - G), Gamma, as the next
@@ -138,7 +147,8 @@ _gk_attention_kernel  (NT, B * H)            the same with a per-key gate, the o
 _gk_diagonal_kernel   (NT * BT/BC, B * H)    per-key gates: A's diagonal sub-chunk blocks
 _output_kernel        (V/BV, NT, B * H)      o = scale (q exp(G)) H + A v
 _fused_output_kernel  (V/BV, NT, B * H)      the forward alone, scalar gate or none: o from q,
-                                             k, v, the gates and H (A formed in registers)
+                                             k, v, the gates and H (A formed in registers;
+                                             H completed for a walk cut into segments)
 _state_grads_kernel   (V/BV, K/BK, N * H)    walks the chunks backwards: D for every chunk,
                                              d initial_state
 _dA_kernel            (NT, B * H)            dA = do v^T (masked); the scalar gate's intra dG
@@ -178,6 +188,13 @@ __all__ = ["chunked_recurrent", "ChunkedConfig", "KernelConfig", "reference"]
 
 _TRITON_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
 _MAX_GRID_YZ = 65535  # CUDA's limit on the grid's 2nd and 3rd axes
+_WHOLE_WALK = 1 << 30  # the steps of a walk that is not cut into segments: more than any has
+# The shortest segment of a cut walk: shorter ones would add more to _segments_kernel's walk and
+# the output's corrections than they take off the walk.
+_MIN_SEGMENT = 16
+# The longest: a chunk's decay from its segment's start is a sum over a vector of the segment's
+# chunks (_segment_decay), kept short; longer walks take more segments.
+_MAX_SEGMENT = 1024
 # fast_decay's ceiling: exp(40) = 2.4e17 keeps k exp(-G) and the masked products far from
 # float32's (and bfloat16's) overflow at 3.4e38 for any sane q and k.
 _MAX_FAST_DECAY = 40.0
@@ -256,6 +273,10 @@ class ChunkedConfig:
     # 0.245-0.268.
     states_alone: KernelConfig = KernelConfig(block_k=64, block_v=64, num_warps=8, num_stages=4)
     min_walk_programs: int = 128
+    # Still short of min_walk_programs once narrowed (a few long sequences, no packing), the
+    # forward alone cuts its walk into segments walked at once (see _segments_kernel); False:
+    # one walk a sequence.
+    split_walk: bool = True
     # Measured (H100, bf16, B4 T4096 H16 K=V=128, per-kernel medians over one trace; probes,
     # not recorded): _gk_attention_kernel 0.40 ms at BK64 4 warps (at this tree: BK32 4 warps
     # with one stage 0.42, BK32 2 warps 0.44, BK16 2 warps 0.43, BK64 2 warps 0.69, BK16 one
@@ -325,6 +346,9 @@ class ChunkedConfig:
         if not isinstance(programs, (int, np.integer)) or isinstance(programs, (bool, np.bool_)) or programs < 1:
             raise ValueError(f"ChunkedConfig.min_walk_programs must be an int >= 1, got {programs!r}")
         object.__setattr__(self, "min_walk_programs", int(programs))
+        if not isinstance(self.split_walk, (bool, np.bool_)):
+            raise ValueError(f"ChunkedConfig.split_walk must be a bool, got {self.split_walk!r}")
+        object.__setattr__(self, "split_walk", bool(self.split_walk))
         sub = self.sub_chunk
         is_int = isinstance(sub, (int, np.integer)) and not isinstance(sub, (bool, np.bool_))
         if not is_int or sub not in (16, 32, 64):
@@ -618,11 +642,14 @@ def _gate_sums_kernel(
 @triton.jit
 def _states_kernel(
     k, v, decay, chunk_decay, h0, cu_seqlens, chunk_offsets, T, NT_SLOTS, num_seqs,
-    states, ht,  # outputs: the state at every chunk's start [B * NT_SLOTS, H, K, V]; final [N, H, K, V]
+    # outputs: the state at every chunk's start [B * NT_SLOTS, H, K, V]; final [N * S, H, K, V]
+    # (with segments, each segment's own: see SEGMENT)
+    states, ht,
     H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, DECAY_ROWS: tl.constexpr, HAS_H0: tl.constexpr,
     REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr, F32_DOT: tl.constexpr,
+    S: tl.constexpr = 1, SEGMENT: tl.constexpr = 1 << 30,
 ):
     # One program: a [BK, BV] tile of one query head's state, carried in fp32 through the chunks
     # of one sequence. Each step is one [BK, BT] x [BT, BV] product. USE_G: k is already
@@ -630,7 +657,12 @@ def _states_kernel(
     # chunk slot [B * NT_SLOTS, H, K]. DECAY_ROWS instead (the forward alone, scalar gate): k is
     # the key, decay each row's log-decay to its chunk's end [B * T, H] and chunk_decay Gamma
     # [B * NT_SLOTS, H] (_gate_sums_kernel's), and k's rows are decayed here.
-    i_v, i_k, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # S > 1 (the forward alone, few long sequences): the walk is cut into S segments of SEGMENT
+    # steps, a program each, all walked at once. A segment other than the first starts from 0,
+    # so its states lack the decayed state it was handed; ht gets each segment's last state, and
+    # _segments_kernel and _fused_output_kernel add the rest (see _segments_kernel).
+    i_v, i_k, i_nhs = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_nh, i_s = i_nhs // S, i_nhs % S
     i_n, i_h = i_nh // H, i_nh % H
     i_kv = i_h // (H // H_KV)
     i_b, start, end, first = _sequence_of_program(cu_seqlens, chunk_offsets, i_n, T, NT_SLOTS, num_seqs,
@@ -667,17 +699,19 @@ def _states_kernel(
     # _state_grads_kernel 0.431 -> 0.290).
     h = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_H0:
-        h += tl.load(h0 + (i_n.to(tl.int64) * H + i_h) * K * V + state_tile, mask=mask_h, other=0.0)
-    i_c = num_chunks - 1 if REVERSE else 0
-    some = num_chunks > 0
+        h += tl.load(h0 + (i_n.to(tl.int64) * H + i_h) * K * V + state_tile, mask=mask_h & (i_s == 0), other=0.0)
+    lo = i_s * SEGMENT  # this program's steps of the walk: lo .. hi - 1
+    hi = tl.minimum(lo + SEGMENT, num_chunks)
+    i_c = num_chunks - 1 - lo if REVERSE else lo
+    some = lo < hi
     if USE_G:  # Gamma per key column (the attention kernels') or per chunk (DECAY_ROWS)
         b_gamma = _chunk_gamma(chunk_decay, tl.minimum(slots + i_c, last_slot), some, i_h, offs_k, mask_k, H, K,
                                not DECAY_ROWS)
     if DECAY_ROWS:
         b_d = tl.load(decay + (seq + i_c * BT + r) * H + i_h, mask=some & (i_c * BT + r < length), other=0.0)
-    for i in range(0, num_chunks):
+    for i in range(lo, hi):
         i_c = num_chunks - 1 - i if REVERSE else i
-        more = i + 1 < num_chunks
+        more = i + 1 < hi
         i_next = tl.where(more, i_c - 1 if REVERSE else i_c + 1, 0)
         slot, slot_next = tl.minimum(slots + i_c, last_slot), tl.minimum(slots + i_next, last_slot)
         tl.store(states + (slot * H + i_h) * K * V + state_tile, h.to(states.dtype.element_ty), mask=mask_h)
@@ -703,7 +737,50 @@ def _states_kernel(
             b_gamma = gamma_next
         h += tl.dot(tl.trans(b_k), b_v, input_precision=F32_DOT)
 
-    tl.store(ht + (i_n.to(tl.int64) * H + i_h) * K * V + state_tile, h, mask=mask_h)
+    tl.store(ht + ((i_n.to(tl.int64) * S + i_s) * H + i_h) * K * V + state_tile, h, mask=mask_h)
+
+
+@triton.jit
+def _segment_decay(chunk_decay, slots, i_s, until, num_chunks, i_h, H: tl.constexpr, SEGMENT: tl.constexpr,
+                   REVERSE: tl.constexpr):
+    """The log-decay over the steps of segment ``i_s`` before step ``until`` (a scalar gate's
+    Gamma per chunk slot, ``[B * NT_SLOTS, H]``, from the sequence's first slot ``slots``): one
+    direct sum of the chunks' Gammas."""
+    step = i_s * SEGMENT + tl.arange(0, SEGMENT)
+    chunk = num_chunks - 1 - step if REVERSE else step
+    take = (step < until) & (step < num_chunks)
+    return tl.sum(tl.load(chunk_decay + (slots + tl.maximum(chunk, 0)) * H + i_h, mask=take, other=0.0))
+
+
+@triton.jit
+def _segments_kernel(
+    gamma, seg_final, T,
+    seg_start, ht,  # outputs: the state handed to each segment [B * S, H, K, V] fp32; final [B, H, K, V]
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    S: tl.constexpr, SEGMENT: tl.constexpr, USE_G: tl.constexpr, REVERSE: tl.constexpr,
+):
+    # The walk over segments (no packing: a batch row is one sequence of T tokens). Segment 0's
+    # walk started from the initial state, so its last state is the state E_1 handed to segment
+    # 1; every later segment s walked from 0, and E_{s+1} = exp(Gamma_s) E_s + F_s, with F_s its
+    # last state (seg_final, _states_kernel's ht) and Gamma_s the decay over the whole segment.
+    # S steps instead of T / BT. A chunk's state is then its segment's local one plus E_s
+    # decayed from the segment's start to the chunk (_fused_output_kernel adds it).
+    i_v, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    num_chunks = tl.cdiv(T, BT)
+    offs_k = i_k * BK + tl.arange(0, BK)
+    offs_v = i_v * BV + tl.arange(0, BV)
+    mask_h = (offs_k < K)[:, None] & (offs_v < V)[None, :]
+    tile = offs_k[:, None] * V + offs_v[None, :]
+    row = i_b.to(tl.int64) * S  # this sequence's first segment
+    h = tl.load(seg_final + (row * H + i_h) * K * V + tile, mask=mask_h, other=0.0)
+    for i_s in range(1, S):
+        tl.store(seg_start + ((row + i_s) * H + i_h) * K * V + tile, h, mask=mask_h)
+        if USE_G:
+            h *= tl.exp(_segment_decay(gamma, i_b.to(tl.int64) * num_chunks, i_s, (i_s + 1) * SEGMENT,
+                                       num_chunks, i_h, H, SEGMENT, REVERSE))
+        h += tl.load(seg_final + ((row + i_s) * H + i_h) * K * V + tile, mask=mask_h, other=0.0)
+    tl.store(ht + (i_b.to(tl.int64) * H + i_h) * K * V + tile, h, mask=mask_h)
 
 
 @triton.jit
@@ -1010,10 +1087,12 @@ def _output_kernel(
 @triton.jit
 def _fused_output_kernel(
     q, k, v, a, states, cu_seqlens, chunk_indices, T, NT_SLOTS, num_seqs,
+    chunk_decay, seg_start,  # with S > 1: Gamma per chunk slot [B * NT_SLOTS, H]; _segments_kernel's
     o,  # output [B * T, H, V] in the query's dtype
     H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, SCALE: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr, F32_DOT: tl.constexpr,
+    S: tl.constexpr = 1, SEGMENT: tl.constexpr = 1 << 30,
 ):
     # The forward alone (no gradient asked), scalar gate or none: one program computes a [BT, BV]
     # tile of one chunk's output from the inputs and the chunk's state, with nothing kept for a
@@ -1036,6 +1115,15 @@ def _fused_output_kernel(
     mask_v = offs_v < V
     slot = i_b.to(tl.int64) * NT_SLOTS + i_t
     h_base = states + (slot * H + i_h) * K * V
+    if S > 1:  # a segmented walk (no packing): the state handed to this chunk's segment, decayed
+        w = NT_SLOTS - 1 - i_c if REVERSE else i_c  # the step of the walk that reached this chunk
+        i_s = w // SEGMENT
+        handed = i_s > 0  # segment 0 started from the initial state: its states are whole
+        e_base = seg_start + ((i_b.to(tl.int64) * S + i_s) * H + i_h) * K * V
+        e_decay = 0.0
+        if USE_G:
+            e_decay = _segment_decay(chunk_decay, i_b.to(tl.int64) * NT_SLOTS, i_s, w, NT_SLOTS, i_h, H, SEGMENT,
+                                     REVERSE)
 
     b_o = tl.zeros([BT, BV], dtype=tl.float32)
     b_s = tl.zeros([BT, BT], dtype=tl.float32)
@@ -1048,6 +1136,10 @@ def _fused_output_kernel(
                       other=0.0)
         b_h = tl.load(h_base + offs_k[:, None] * V + offs_v[None, :], mask=mask_k[:, None] & mask_v[None, :],
                       other=0.0)
+        if S > 1:
+            b_e = tl.load(e_base + offs_k[:, None] * V + offs_v[None, :],
+                          mask=handed & mask_k[:, None] & mask_v[None, :], other=0.0)
+            b_h = b_h.to(tl.float32) + tl.exp(e_decay) * b_e
         b_o += tl.dot(b_q, b_h.to(b_q.dtype), input_precision=F32_DOT)
         b_s += tl.dot(b_q, tl.trans(b_k.to(b_q.dtype)), input_precision=F32_DOT)
     if USE_G:
@@ -1521,35 +1613,55 @@ def _walk_tiles(config: KernelConfig, key_dim: int, value_dim: int, walks: int, 
     return block_k, block_v
 
 
+def _walk_plan(config: ChunkedConfig, key_dim: int, value_dim: int, walks: int, num_chunks: int,
+               packed: bool) -> tuple[int, int, int, int]:
+    """(BK, BV, S, SEGMENT) of the forward alone's walk: _walk_tiles, then, without packing and
+    still short of ``min_walk_programs`` programs, the walk cut into ``S`` segments of
+    ``SEGMENT`` steps (a power of two from _MIN_SEGMENT to _MAX_SEGMENT) walked at once
+    (_segments_kernel).
+    ``S = 1``: one walk (always with packing, whose sequences the segments would have to
+    follow)."""
+    block_k, block_v = _walk_tiles(config.states_alone, key_dim, value_dim, walks, config.min_walk_programs)
+    programs = walks * cdiv(key_dim, block_k) * cdiv(value_dim, block_v)
+    if packed or not config.split_walk or programs >= config.min_walk_programs:
+        return block_k, block_v, 1, _WHOLE_WALK
+    wanted = cdiv(config.min_walk_programs, programs)
+    segment = min(max(triton.next_power_of_2(cdiv(num_chunks, wanted)), _MIN_SEGMENT), _MAX_SEGMENT)
+    segments = cdiv(num_chunks, segment)
+    if segments == 1 or walks * cdiv(key_dim, block_k) * segments > _MAX_GRID_YZ:
+        return block_k, block_v, 1, _WHOLE_WALK
+    return block_k, block_v, segments, segment
+
+
 def _run_states(static, num_heads, k, v, gamma, h0, cu, chunk_offsets, per_row, slots, flags, state_dtype,
-                to_end=None, alone=False):
+                to_end=None, plan=None):
     """The states at every chunk's start and the final state. With a gate ``k`` is the attention
     kernel's decayed k (per query head) and ``gamma`` its Gamma; without, ``gamma`` is None. With
     ``to_end`` (a scalar gate's decays from each row to its chunk's end, _gate_sums_kernel's),
-    ``k`` is the key and ``gamma`` a scalar per chunk and head. ``alone``: the forward alone's
-    walk, with ``config.states_alone`` (see _walk_tiles)."""
+    ``k`` is the key and ``gamma`` a scalar per chunk and head. ``plan``: the forward alone's
+    walk (_walk_plan: its tiles and segments); the final states are then each segment's."""
     batch, seq_len, _, key_dim = k.shape
     num_kv_heads = v.shape[2]
     value_dim = v.shape[3]
     num_seqs = batch * per_row
-    if alone:
-        kernel_config = static.config.states_alone
-        block_k, block_v = _walk_tiles(kernel_config, key_dim, value_dim, num_seqs * num_heads,
-                                       static.config.min_walk_programs)
-    else:
+    if plan is None:
         kernel_config = static.config.states
-        block_k, block_v = _fit(kernel_config, key_dim, value_dim)
+        (block_k, block_v), segments, segment = _fit(kernel_config, key_dim, value_dim), 1, _WHOLE_WALK
+    else:
+        kernel_config = static.config.states_alone
+        block_k, block_v, segments, segment = plan
     return triton_call(
         k, v, _or_stand_in(to_end), _or_stand_in(gamma), _or_stand_in(h0), cu, chunk_offsets, seq_len, slots,
         per_row,
         kernel=_states_kernel,
         out_shape=[jax.ShapeDtypeStruct((batch * slots, num_heads, key_dim, value_dim), state_dtype),
-                   jax.ShapeDtypeStruct((num_seqs, num_heads, key_dim, value_dim), jnp.float32)],
-        grid=(cdiv(value_dim, block_v), cdiv(key_dim, block_k), num_seqs * num_heads),
+                   jax.ShapeDtypeStruct((num_seqs * segments, num_heads, key_dim, value_dim), jnp.float32)],
+        grid=(cdiv(value_dim, block_v), cdiv(key_dim, block_k), num_seqs * num_heads * segments),
         num_warps=kernel_config.num_warps, num_stages=kernel_config.num_stages,
         H=num_heads, H_KV=num_kv_heads, K=key_dim, V=value_dim, BT=static.chunk_size, BK=block_k, BV=block_v,
         USE_G=flags["USE_G"], DECAY_ROWS=to_end is not None, HAS_H0=h0 is not None, REVERSE=static.reverse,
-        IS_VARLEN=flags["IS_VARLEN"], F32_DOT=_dot_precision(k.dtype, static.config),
+        IS_VARLEN=flags["IS_VARLEN"], F32_DOT=_dot_precision(k.dtype, static.config), S=segments,
+        SEGMENT=segment,
     )
 
 
@@ -1674,18 +1786,32 @@ def _forward_alone_launch(static, query, key, value, a, h0, cu_seqlens):
             grid=(slots, batch), H=num_heads, HP=max(triton.next_power_of_2(num_heads), 2),
             BT=static.chunk_size, REVERSE=static.reverse, IS_VARLEN=flags["IS_VARLEN"],
         )
+    plan = _walk_plan(cfg, key_dim, value_dim, batch * per_row * num_heads, slots, flags["IS_VARLEN"])
     states, final_state = _run_states(static, num_heads, key, value, gamma, h0, cu, chunk_offsets, per_row,
-                                      slots, flags, _state_dtype(query.dtype), to_end=to_end, alone=True)
+                                      slots, flags, _state_dtype(query.dtype), to_end=to_end, plan=plan)
+    block_k, block_v, segments, segment = plan
+    seg_start = None
+    if segments > 1:  # final_state holds each segment's last state: walk the segments
+        seg_start, final_state = triton_call(
+            _or_stand_in(gamma), final_state, seq_len,
+            kernel=_segments_kernel,
+            out_shape=[jax.ShapeDtypeStruct(final_state.shape, jnp.float32),
+                       jax.ShapeDtypeStruct((batch, num_heads, key_dim, value_dim), jnp.float32)],
+            grid=(cdiv(value_dim, block_v), cdiv(key_dim, block_k), batch * num_heads),
+            H=num_heads, K=key_dim, V=value_dim, BT=static.chunk_size, BK=block_k, BV=block_v, S=segments,
+            SEGMENT=segment, USE_G=flags["USE_G"], REVERSE=static.reverse,
+        )
     block_k, block_v = _fit(cfg.fused_output, key_dim, value_dim)
     o = triton_call(
         query, key, value, _or_stand_in(a), states, cu, chunk_indices, seq_len, slots, per_row,
+        _or_stand_in(gamma), _or_stand_in(seg_start),
         kernel=_fused_output_kernel,
         out_shape=jax.ShapeDtypeStruct((batch, seq_len, num_heads, value_dim), query.dtype),
         grid=(cdiv(value_dim, block_v), slots, batch * num_heads),
         num_warps=cfg.fused_output.num_warps, num_stages=cfg.fused_output.num_stages,
         H=num_heads, H_KV=num_kv_heads, K=key_dim, V=value_dim, SCALE=static.scale, BT=static.chunk_size,
         BK=block_k, BV=block_v, USE_G=flags["USE_G"], REVERSE=static.reverse, IS_VARLEN=flags["IS_VARLEN"],
-        F32_DOT=_dot_precision(query.dtype, cfg),
+        F32_DOT=_dot_precision(query.dtype, cfg), S=segments, SEGMENT=segment,
     )
     return o, final_state
 

@@ -11,7 +11,7 @@ import pytest
 from conftest import TOLERANCE, rel_err
 
 import ejk_lite
-from ejk_lite.chunked import ChunkedConfig, KernelConfig, _forward, _Static, _walk_tiles
+from ejk_lite.chunked import ChunkedConfig, KernelConfig, _forward, _Static, _walk_plan, _walk_tiles
 from ejk_lite.chunked import chunked_recurrent as _chunked_recurrent
 
 # The kernels, wherever the tests run ("auto" is XLA, the reference itself, on a CPU).
@@ -498,6 +498,7 @@ def test_refuses_chunks_past_32_bit_offsets(heads, key_dim, value_dim):
     (lambda: ChunkedConfig(fast_decay="20"), "fast_decay"), (lambda: ChunkedConfig(fast_decay=True), "fast_decay"),
     (lambda: ChunkedConfig(min_walk_programs=0), "min_walk_programs"),
     (lambda: ChunkedConfig(min_walk_programs=True), "min_walk_programs"),
+    (lambda: ChunkedConfig(split_walk=1), "split_walk"),
 ])
 def test_bad_config(make, field):
     with pytest.raises(ValueError, match=field):
@@ -515,6 +516,43 @@ def test_walk_tiles(key_dim, value_dim, walks, tiles):
     """The forward alone's walk narrows its tiles, V first, while it has fewer than 128 programs."""
     config = ChunkedConfig()
     assert _walk_tiles(config.states_alone, key_dim, value_dim, walks, config.min_walk_programs) == tiles
+
+
+@pytest.mark.parametrize("key_dim, value_dim, walks, num_chunks, packed, plan", [
+    (64, 64, 8, 512, False, (32, 32, 4, 128)),   # B1 T32768 H8: 32 programs x 4 segments
+    (128, 128, 64, 64, False, (64, 64, 1, 1 << 30)),  # B4 T4096 H16: 256 programs, one walk
+    (64, 64, 8, 512, True, (32, 32, 1, 1 << 30)),  # packed: never cut
+    (16, 16, 1, 20, False, (16, 16, 2, 16)),     # segments of at least 16 steps
+    (16, 16, 1, 16, False, (16, 16, 1, 1 << 30)),  # one segment: one walk
+    (64, 64, 1, 65535, False, (32, 32, 64, 1024)),  # segments of at most 1024 steps
+])
+def test_walk_plan(key_dim, value_dim, walks, num_chunks, packed, plan):
+    assert _walk_plan(ChunkedConfig(), key_dim, value_dim, walks, num_chunks, packed) == plan
+    assert _walk_plan(ChunkedConfig(split_walk=False), key_dim, value_dim, walks, num_chunks, packed)[2] == 1
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("gates", [("g",), ("g", "g_gamma"), ()])
+def test_segmented_walk(rng, reverse, gates):
+    """The forward alone's walk cut into 3 segments (16, 16 and 6 chunks: few short walks, no
+    packing), walked at once: each chunk's state is its segment's plus the state handed to the
+    segment, decayed to the chunk (checked with the rest by check)."""
+    inputs = make_inputs(rng, batch=2, seq_len=16 * 37 + 5, key_dim=16, value_dim=24, gates=gates,
+                         gate_scale=0.3)
+    assert _walk_plan(ChunkedConfig(), 16, 24, 2 * 2, 38, False)[2:] == (3, 16)
+    check(rng, inputs, chunk_size=16, reverse=reverse)
+
+
+def test_segmented_walk_under_vmap(rng):
+    """vmap folds the items into the batch: the segments are each item's own."""
+    items = [make_inputs(rng, batch=1, seq_len=16 * 20, key_dim=16, value_dim=16, gates=("g",)) for _ in range(2)]
+    stacked = {n: jnp.asarray(np.stack([item[n] for item in items]), jnp.float32) for n in items[0]}
+    run = functools.partial(chunked_recurrent, chunk_size=16)
+    outs = jax.vmap(lambda inputs: run(**inputs))(stacked)
+    for i, item in enumerate(items):
+        out = run(**{n: jnp.asarray(x, jnp.float32) for n, x in item.items()})
+        for got, want in zip(outs, out):
+            assert rel_err(got[i], want) <= 1e-6
 
 
 def test_config_numpy_ints_and_hashable():
