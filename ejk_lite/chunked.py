@@ -274,9 +274,14 @@ class ChunkedConfig:
     states_alone: KernelConfig = KernelConfig(block_k=64, block_v=64, num_warps=8, num_stages=4)
     min_walk_programs: int = 128
     # Still short of min_walk_programs once narrowed (a few long sequences, no packing), the
-    # forward alone cuts its walk into segments walked at once (see _segments_kernel); False:
-    # one walk a sequence.
+    # forward alone cuts its walk into segments walked at once (see _segments_kernel), enough
+    # for about split_programs programs; False: one walk a sequence. Measured (H200, bf16,
+    # scalar gate, B1 T32768 H8 K=V=64, 32 programs of BK32 BV32; bench/_probe_chunked_gk.py
+    # --forward-only, medians of 10, checked, not recorded): forward 0.324 ms as one walk,
+    # 0.149 cut for 128 programs (_states_kernel 0.259 -> 0.074, _segments_kernel 0.003,
+    # _fused_output_kernel 0.058 -> 0.064), 0.126 for 256, 0.120 for 512.
     split_walk: bool = True
+    split_programs: int = 512
     # Measured (H100, bf16, B4 T4096 H16 K=V=128, per-kernel medians over one trace; probes,
     # not recorded): _gk_attention_kernel 0.40 ms at BK64 4 warps (at this tree: BK32 4 warps
     # with one stage 0.42, BK32 2 warps 0.44, BK16 2 warps 0.43, BK64 2 warps 0.69, BK16 one
@@ -346,6 +351,10 @@ class ChunkedConfig:
         if not isinstance(programs, (int, np.integer)) or isinstance(programs, (bool, np.bool_)) or programs < 1:
             raise ValueError(f"ChunkedConfig.min_walk_programs must be an int >= 1, got {programs!r}")
         object.__setattr__(self, "min_walk_programs", int(programs))
+        programs = self.split_programs
+        if not isinstance(programs, (int, np.integer)) or isinstance(programs, (bool, np.bool_)) or programs < 1:
+            raise ValueError(f"ChunkedConfig.split_programs must be an int >= 1, got {programs!r}")
+        object.__setattr__(self, "split_programs", int(programs))
         if not isinstance(self.split_walk, (bool, np.bool_)):
             raise ValueError(f"ChunkedConfig.split_walk must be a bool, got {self.split_walk!r}")
         object.__setattr__(self, "split_walk", bool(self.split_walk))
@@ -1616,16 +1625,15 @@ def _walk_tiles(config: KernelConfig, key_dim: int, value_dim: int, walks: int, 
 def _walk_plan(config: ChunkedConfig, key_dim: int, value_dim: int, walks: int, num_chunks: int,
                packed: bool) -> tuple[int, int, int, int]:
     """(BK, BV, S, SEGMENT) of the forward alone's walk: _walk_tiles, then, without packing and
-    still short of ``min_walk_programs`` programs, the walk cut into ``S`` segments of
-    ``SEGMENT`` steps (a power of two from _MIN_SEGMENT to _MAX_SEGMENT) walked at once
-    (_segments_kernel).
-    ``S = 1``: one walk (always with packing, whose sequences the segments would have to
-    follow)."""
+    still short of ``min_walk_programs`` programs, the walk cut (for about ``split_programs``
+    programs) into ``S`` segments of ``SEGMENT`` steps, a power of two from _MIN_SEGMENT to
+    _MAX_SEGMENT, walked at once (_segments_kernel). ``S = 1``: one walk (always with packing,
+    whose sequences the segments would have to follow)."""
     block_k, block_v = _walk_tiles(config.states_alone, key_dim, value_dim, walks, config.min_walk_programs)
     programs = walks * cdiv(key_dim, block_k) * cdiv(value_dim, block_v)
     if packed or not config.split_walk or programs >= config.min_walk_programs:
         return block_k, block_v, 1, _WHOLE_WALK
-    wanted = cdiv(config.min_walk_programs, programs)
+    wanted = cdiv(config.split_programs, programs)
     segment = min(max(triton.next_power_of_2(cdiv(num_chunks, wanted)), _MIN_SEGMENT), _MAX_SEGMENT)
     segments = cdiv(num_chunks, segment)
     if segments == 1 or walks * cdiv(key_dim, block_k) * segments > _MAX_GRID_YZ:

@@ -499,6 +499,7 @@ def test_refuses_chunks_past_32_bit_offsets(heads, key_dim, value_dim):
     (lambda: ChunkedConfig(min_walk_programs=0), "min_walk_programs"),
     (lambda: ChunkedConfig(min_walk_programs=True), "min_walk_programs"),
     (lambda: ChunkedConfig(split_walk=1), "split_walk"),
+    (lambda: ChunkedConfig(split_programs=0), "split_programs"),
 ])
 def test_bad_config(make, field):
     with pytest.raises(ValueError, match=field):
@@ -519,12 +520,13 @@ def test_walk_tiles(key_dim, value_dim, walks, tiles):
 
 
 @pytest.mark.parametrize("key_dim, value_dim, walks, num_chunks, packed, plan", [
-    (64, 64, 8, 512, False, (32, 32, 4, 128)),   # B1 T32768 H8: 32 programs x 4 segments
+    (64, 64, 8, 512, False, (32, 32, 16, 32)),   # B1 T32768 H8: 32 programs x 16 segments
     (128, 128, 64, 64, False, (64, 64, 1, 1 << 30)),  # B4 T4096 H16: 256 programs, one walk
     (64, 64, 8, 512, True, (32, 32, 1, 1 << 30)),  # packed: never cut
     (16, 16, 1, 20, False, (16, 16, 2, 16)),     # segments of at least 16 steps
+    (64, 64, 2, 512, False, (32, 32, 32, 16)),   # 8 programs: 64 segments of 8 wanted, 32 of 16
     (16, 16, 1, 16, False, (16, 16, 1, 1 << 30)),  # one segment: one walk
-    (64, 64, 1, 65535, False, (32, 32, 64, 1024)),  # segments of at most 1024 steps
+    (64, 64, 16, 65535, False, (32, 32, 64, 1024)),  # 8 segments of 8192 wanted: at most 1024
 ])
 def test_walk_plan(key_dim, value_dim, walks, num_chunks, packed, plan):
     assert _walk_plan(ChunkedConfig(), key_dim, value_dim, walks, num_chunks, packed) == plan
