@@ -269,8 +269,8 @@ class ChunkedConfig:
     # to BK32 BV32) 0.255 at 8 warps 4 stages (4 warps 0.265, 2 warps 0.519; 3 or 5 stages
     # 0.264 at 4 warps), against 0.277 above; fla's chunk_fwd_kernel_h 0.204 there, whose
     # autotuning picks BK32 BV32 4 stages too. Deeper look-ahead of the decays (two or three
-    # chunks, in registers) and decaying v instead of k lost or did not help: 0.47-0.51 ms,
-    # 0.245-0.268.
+    # chunks, in registers) lost, 0.47-1.2 ms; decaying v instead of k did not help,
+    # 0.245-0.268 against 0.254-0.265 on two machines.
     states_alone: KernelConfig = KernelConfig(block_k=64, block_v=64, num_warps=8, num_stages=4)
     min_walk_programs: int = 128
     # Still short of min_walk_programs once narrowed (a few long sequences, no packing), the
