@@ -50,7 +50,7 @@ import triton.language as tl
 from jax import Array
 
 from ejk_lite.launch import triton_call
-from ejk_lite.checks import next_power_of_2, power_of_two, resolve_impl
+from ejk_lite.checks import next_power_of_2, power_of_two, resolve_impl, static_int
 from ejk_lite.masking import (EMPTY, BlockMask, TokenRule, build_block_mask, check_block_mask,
                               check_layout, combine_rules, dense_mask, restrict, token_rule)
 from ejk_lite import sequence_parallel
@@ -90,10 +90,8 @@ class BlockSizes:
         for field in dataclasses.fields(self):
             if field.name == "float32_dot":
                 continue
-            value = getattr(self, field.name)
-            if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-                raise ValueError(f"BlockSizes.{field.name} must be an int, got {value!r}")
-            object.__setattr__(self, field.name, int(value))
+            value = static_int(getattr(self, field.name), f"BlockSizes.{field.name}")
+            object.__setattr__(self, field.name, value)
 
     @staticmethod
     def forward(head_dim: int, dtype: Any = jnp.bfloat16) -> BlockSizes:

@@ -222,9 +222,7 @@ class KernelConfig:
     def __post_init__(self):
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-                raise ValueError(f"KernelConfig.{field.name} must be an int, got {value!r}")
-            object.__setattr__(self, field.name, int(value))
+            object.__setattr__(self, field.name, static_int(value, f"KernelConfig.{field.name}"))
         for name in ("block_k", "block_v"):
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
@@ -347,22 +345,16 @@ class ChunkedConfig:
             value = getattr(self, name)
             if not isinstance(value, KernelConfig):
                 raise ValueError(f"ChunkedConfig.{name} must be a KernelConfig, got {value!r}")
-        programs = self.min_walk_programs
-        if not isinstance(programs, (int, np.integer)) or isinstance(programs, (bool, np.bool_)) or programs < 1:
-            raise ValueError(f"ChunkedConfig.min_walk_programs must be an int >= 1, got {programs!r}")
-        object.__setattr__(self, "min_walk_programs", int(programs))
-        programs = self.split_programs
-        if not isinstance(programs, (int, np.integer)) or isinstance(programs, (bool, np.bool_)) or programs < 1:
-            raise ValueError(f"ChunkedConfig.split_programs must be an int >= 1, got {programs!r}")
-        object.__setattr__(self, "split_programs", int(programs))
+        for name in ("min_walk_programs", "split_programs"):
+            value = static_int(getattr(self, name), f"ChunkedConfig.{name}", minimum=1)
+            object.__setattr__(self, name, value)
         if not isinstance(self.split_walk, (bool, np.bool_)):
             raise ValueError(f"ChunkedConfig.split_walk must be a bool, got {self.split_walk!r}")
         object.__setattr__(self, "split_walk", bool(self.split_walk))
-        sub = self.sub_chunk
-        is_int = isinstance(sub, (int, np.integer)) and not isinstance(sub, (bool, np.bool_))
-        if not is_int or sub not in (16, 32, 64):
+        sub = static_int(self.sub_chunk, "ChunkedConfig.sub_chunk", 1)
+        if sub not in (16, 32, 64):
             raise ValueError(f"ChunkedConfig.sub_chunk must be 16, 32 or 64, got {sub!r}")
-        object.__setattr__(self, "sub_chunk", int(sub))
+        object.__setattr__(self, "sub_chunk", sub)
         if self.float32_dot not in ("tf32x3", "ieee"):
             raise ValueError(f"ChunkedConfig.float32_dot must be 'tf32x3' or 'ieee', got "
                              f"{self.float32_dot!r}")
