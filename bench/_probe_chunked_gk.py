@@ -1,9 +1,10 @@
 """Probe (issue 18): chunked_recurrent's kernels, per variant of ChunkedConfig, at one shape.
 
-For each variant (``NAME=JSON``: ChunkedConfig fields, a KernelConfig as a dict of its fields;
-``default={}`` is the shipped config) and each gate: forward and forward + backward device time
-(common.time_stats_ms: profiler, L2 flushed before each of ``SAMPLES`` samples), then where the
-time of each goes, each kernel's median over the calls of one trace (warm L2: for proportions).
+For each variant (``NAME=JSON``: ChunkedConfig fields, a KernelConfig as a dict of its fields,
+and optionally ``chunk_size``, the op's argument; ``default={}`` is the shipped config at chunk
+64) and each gate: forward and forward + backward device time (common.time_stats_ms: profiler,
+L2 flushed before each of ``SAMPLES`` samples), then where the time of each goes, each kernel's
+median over the calls of one trace (warm L2: for proportions).
 Every variant is checked first, against the float32 ``ejk_lite.linear_attention.reference`` on
 the first ``CHECK_SEQ_LEN`` tokens (as bench/chunked.py: output and every input's gradient,
 bf16 tolerances), and against the first variant at full length. Variants not started within
@@ -62,10 +63,13 @@ VARIANTS = ["default={}",
             'inter_w8={"inter_grads": {"num_warps": 8}}']
 
 
-def parse_variant(spec: str) -> tuple[str, ChunkedConfig]:
+def parse_variant(spec: str) -> tuple[str, ChunkedConfig, int | None]:
+    """(name, config, chunk size): ``chunk_size`` in the JSON is the op's argument (None: the
+    probe's own, 64), every other field the config's."""
     name, fields = spec.split("=", 1)
     fields = {k: KernelConfig(**v) if isinstance(v, dict) else v for k, v in json.loads(fields).items()}
-    return name, ChunkedConfig(**fields)
+    chunk = fields.pop("chunk_size", None)
+    return name, ChunkedConfig(**fields), chunk
 
 
 def kernel_breakdown(fn, samples: int) -> list[tuple[str, float, float]]:
@@ -173,12 +177,12 @@ def main():
         ref_fwd_bwd = forward_and_backward(lambda x: reference(**x, softmax_scale=scale)[0])[1]
         ref_o, ref_grads = ref_fwd_bwd(wide, short_d_o.astype(jnp.float32))
         first = None
-        for index, (name, config) in enumerate(variants):
+        for index, (name, config, variant_chunk) in enumerate(variants):
             label = f"{gate} {name}"
             if index and run.out_of_time(label):
                 continue
-            op = functools.partial(chunked_recurrent, impl="triton", chunk_size=chunk, config=config,
-                                   softmax_scale=scale)
+            op = functools.partial(chunked_recurrent, impl="triton", chunk_size=variant_chunk or chunk,
+                                   config=config, softmax_scale=scale)
             fwd, fwd_bwd = forward_and_backward(lambda x, op=op: op(**x)[0])
             err = compare(*fwd_bwd(short, short_d_o), ref_o, ref_grads)
             failures = past_tolerance(err, jnp.bfloat16, f"{label} vs reference")
