@@ -74,7 +74,11 @@ head, and the backward follows its flags (``_gk_fast_grads_kernel``: ``dq~`` and
 products through the same factors); the careful kernels take the other chunks (and any chunk
 with a NaN gate). With the gates a trained layer has (the benchmark's: ``log_sigmoid`` of
 ``N(4, 1)``, -0.03 a token, -4 at most over a chunk of 64) every chunk takes it; with log-gates
-of -1 a token and chunks of 64, none does.
+of -1 a token and chunks of 64, none does. The same bound serves one level down: in a chunk
+too strong for it, a diagonal sub-chunk block is one product per K tile whose key columns
+decay by no more than ``exp(-fast_decay)`` over the sub-chunk, ``(q exp(G)) (k exp(-G))^T``
+with ``G`` summed from the sub-chunk's first row (``_gk_diagonal_kernel``), instead of the
+walk: with log-gates of -1 a token, a sub-chunk of 16 decays by about ``exp(-16)``.
 
 **Backward.** Write ``D`` for the gradient reaching ``H_next`` (one walk over the chunks in the
 other direction carries it: ``D_prev = exp(Gamma) * D + (scale q exp(G))^T do``). With
@@ -145,6 +149,7 @@ _gk_fast_kernel       (NT, B * H)            per-key gate, mild chunks: A whole,
 _gk_attention_kernel  (NT, B * H)            the same with a per-key gate, the other chunks,
                                              but for the diagonal sub-chunk blocks
 _gk_diagonal_kernel   (NT * BT/BC, B * H)    per-key gates: A's diagonal sub-chunk blocks
+                                             (one product a K tile where the sub-chunk is mild)
 _output_kernel        (V/BV, NT, B * H)      o = scale (q exp(G)) H + A v
 _fused_output_kernel  (V/BV, NT, B * H)      the forward alone, scalar gate or none: o from q,
                                              k, v, the gates and H (A formed in registers;
@@ -331,8 +336,9 @@ class ChunkedConfig:
     sub_chunk: int = 16
     float32_dot: str = "tf32x3"
     # The per-key gate's shortcut (_gk_fast_kernel) for chunks that decay by no more
-    # than exp(-fast_decay) in any key column, 16-bit inputs only; None: never. See the module
-    # docstring ("Mild gates") for the bound.
+    # than exp(-fast_decay) in any key column, and (_gk_diagonal_kernel) for the diagonal
+    # sub-chunk blocks of the other chunks, per K tile; 16-bit inputs only; None: never. See
+    # the module docstring ("Mild gates") for the bound.
     fast_decay: float | None = 20.0
 
     @classmethod
@@ -1004,11 +1010,16 @@ def _gk_diagonal_kernel(
     H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, SCALE: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, UNROLL: tl.constexpr,
     USE_FAST: tl.constexpr, REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr,
+    FAST_DECAY: tl.constexpr = None, F32_DOT: tl.constexpr = "ieee",
 ):
     # Per-key gate. One program per sub-chunk: its [BC, BC] block of A, one key column j at a
     # time from the last; decay holds exp(sum of a over (j, i]) for the rows i > j (1 for the
     # others), grown by the row after j at each step (_decay_step). Small tiles, a program
     # each: many programs in flight hide the latency of the walk's row loads.
+    # FAST_DECAY (16-bit inputs; None: never): a K tile in which no key column of the
+    # sub-chunk decays by more than exp(-FAST_DECAY) takes one product instead of the walk,
+    # (q exp(G)) (k exp(-G))^T with G summed from the sub-chunk's first row, as _gk_fast_kernel
+    # does for a whole chunk: the chunk's decay may be strong while its sub-chunks' are mild.
     i_tc, i_bh = tl.program_id(0), tl.program_id(1)
     NC: tl.constexpr = BT // BC
     i_t, i_s = i_tc // NC, i_tc % NC
@@ -1028,22 +1039,46 @@ def _gk_diagonal_kernel(
         offs_k = i_k * BK + tl.arange(0, BK)
         mask_k = offs_k < K
         b_q = _load_rows(q + i_h * K, tok, valid, offs_k, mask_k, H * K).to(tl.float32)
-        decay = tl.full([BC, BK], 1.0, tl.float32)
-        for j0 in range(0, BC, UNROLL):
-            for u in tl.static_range(UNROLL):
-                j = BC - 1 - (j0 + u)
-                tok_n, valid_n = _rows(i_s * BC + j + 1, i_c, start, end, row_base, BT, REVERSE)
-                a_next = _log_decay(tl.load(a + (tok_n * H + i_h) * K + offs_k,
-                                            mask=mask_k & valid_n & (j + 1 < BC), other=0.0))
-                decay = _decay_step(decay, a_next[None, :], (c > j)[:, None])
-                tok_j, valid_j = _rows(i_s * BC + j, i_c, start, end, row_base, BT, REVERSE)
-                k_j = tl.load(k + (tok_j * H_KV + i_kv) * K + offs_k, mask=mask_k & valid_j,
-                              other=0.0).to(tl.float32)
-                b_d += tl.where(c[None, :] == j, tl.sum(b_q * k_j[None, :] * decay, axis=1)[:, None],
-                                0.0)
+        mild = False
+        if FAST_DECAY is not None:
+            b_a = _load_gates(a, tok, valid, i_h, offs_k, mask_k, H, K)
+            column = tl.sum(b_a, axis=0)
+            total = tl.sum(column, axis=0)  # NaN if a gate is: the walk makes NaN exactly
+            mild = (tl.min(column, axis=0) >= -FAST_DECAY) & (total == total)
+        if mild:
+            b_k = _load_rows(k + i_kv * K, tok, valid, offs_k, mask_k, H_KV * K).to(tl.float32)
+            from_first = tl.cumsum(b_a, axis=0)  # exp(G_i - G_j): the decay over (j, i]
+            b_qg, b_kg = b_q * tl.exp(from_first), b_k * tl.exp(-from_first)
+            if q.dtype.element_ty == tl.bfloat16:  # as _gk_fast_kernel: float16 stays float32
+                b_qg, b_kg = b_qg.to(tl.bfloat16), b_kg.to(tl.bfloat16)
+            b_d = tl.dot(b_qg, tl.trans(b_kg), acc=b_d, input_precision=F32_DOT)
+        else:
+            b_d = _diagonal_walk(b_d, b_q, k, a, c, i_s, i_c, i_h, i_kv, start, end, row_base, offs_k, mask_k,
+                                 H, H_KV, K, BT, BC, BK, UNROLL, REVERSE)
     tl.store(A + (tok[:, None] * H + i_h) * BT + i_s * BC + c[None, :],
              (tl.where(c[None, :] <= c[:, None], b_d, 0.0) * SCALE).to(A.dtype.element_ty),
              mask=valid[:, None])
+
+
+@triton.jit
+def _diagonal_walk(b_d, b_q, k, a, c, i_s, i_c, i_h, i_kv, start, end, row_base, offs_k, mask_k,
+                   H: tl.constexpr, H_KV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                   BK: tl.constexpr, UNROLL: tl.constexpr, REVERSE: tl.constexpr):
+    """_gk_diagonal_kernel's walk over one K tile: ``b_d`` plus the sub-chunk's ``[BC, BC]``
+    block, one key column at a time, each decay a running product of factors at most 1."""
+    decay = tl.full([BC, BK], 1.0, tl.float32)
+    for j0 in range(0, BC, UNROLL):
+        for u in tl.static_range(UNROLL):
+            j = BC - 1 - (j0 + u)
+            tok_n, valid_n = _rows(i_s * BC + j + 1, i_c, start, end, row_base, BT, REVERSE)
+            a_next = _log_decay(tl.load(a + (tok_n * H + i_h) * K + offs_k,
+                                        mask=mask_k & valid_n & (j + 1 < BC), other=0.0))
+            decay = _decay_step(decay, a_next[None, :], (c > j)[:, None])
+            tok_j, valid_j = _rows(i_s * BC + j, i_c, start, end, row_base, BT, REVERSE)
+            k_j = tl.load(k + (tok_j * H_KV + i_kv) * K + offs_k, mask=mask_k & valid_j,
+                          other=0.0).to(tl.float32)
+            b_d += tl.where(c[None, :] == j, tl.sum(b_q * k_j[None, :] * decay, axis=1)[:, None], 0.0)
+    return b_d
 
 
 @triton.jit
@@ -1731,7 +1766,8 @@ def _forward_launch(static, query, key, value, a, h0, cu_seqlens):
                 num_warps=cfg.diagonal.num_warps, num_stages=cfg.diagonal.num_stages,
                 H=num_heads, H_KV=num_kv_heads, K=key_dim, SCALE=static.scale, BT=bt, BC=sub, BK=block_k,
                 UNROLL=min(cfg.diagonal.unroll, sub), USE_FAST=use_fast, REVERSE=static.reverse,
-                IS_VARLEN=flags["IS_VARLEN"],
+                IS_VARLEN=flags["IS_VARLEN"], FAST_DECAY=cfg.fast_decay if use_fast else None,
+                F32_DOT=precision,
             )
         else:
             A, q_decayed, k_decayed, gamma = triton_call(

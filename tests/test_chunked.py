@@ -268,6 +268,22 @@ def test_mild_and_strong_chunks(rng, dtype, fast_decay, reverse):
           config=ChunkedConfig(fast_decay=fast_decay))
 
 
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_strong_chunks_of_mild_sub_chunks(rng, dtype, reverse):
+    """Per-key gates too strong for a chunk's one product (about -0.7 a token: -45 over 64) but
+    mild over each sub-chunk of 16 (-11): the diagonal blocks take one product per K tile
+    (_gk_diagonal_kernel's FAST_DECAY), but where one key tile of one sub-chunk is far past the
+    bound (the walk). Two K tiles of 16 over K = 20; packed, a length off the chunk."""
+    lengths = [70, 1, 45]
+    inputs = make_inputs(rng, batch=1, seq_len=sum(lengths), heads=2, kv_heads=1, key_dim=20,
+                         gates=("gk",), gate_scale=0.3, num_states=len(lengths))
+    inputs["gk"][:, 16:32, 1, :8] *= 40
+    config = ChunkedConfig(diagonal=KernelConfig(block_k=16, num_warps=1))
+    check(rng, inputs, dtype=dtype, chunk_size=64, reverse=reverse, cu_seqlens=packing(lengths),
+          config=config)
+
+
 @pytest.mark.parametrize("use", [("output",), ("final_state",)])
 def test_only_one_result_used(rng, use):
     """The unused result's cotangent is a symbolic zero; the gradients must still be right."""
