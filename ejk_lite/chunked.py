@@ -1663,7 +1663,7 @@ def _walk_plan(config: ChunkedConfig, key_dim: int, value_dim: int, walks: int, 
     wanted = cdiv(config.split_programs, programs)
     segment = min(max(triton.next_power_of_2(cdiv(num_chunks, wanted)), _MIN_SEGMENT), _MAX_SEGMENT)
     segments = cdiv(num_chunks, segment)
-    if segments == 1 or walks * cdiv(key_dim, block_k) * segments > _MAX_GRID_YZ:
+    if segments == 1 or walks * segments > _MAX_GRID_YZ:  # the walks' grid axis
         return block_k, block_v, 1, _WHOLE_WALK
     return block_k, block_v, segments, segment
 

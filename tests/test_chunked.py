@@ -549,6 +549,13 @@ def test_walk_plan(key_dim, value_dim, walks, num_chunks, packed, plan):
     assert _walk_plan(ChunkedConfig(split_walk=False), key_dim, value_dim, walks, num_chunks, packed)[2] == 1
 
 
+def test_walk_plan_grid_limit():
+    """Segments multiply the walks on the grid's third axis (at most 65535), not the K tiles."""
+    config = ChunkedConfig(split_programs=10**6)  # segments of 16 steps: 3000 of them
+    assert _walk_plan(config, 64, 64, 16, 48_000, False) == (32, 32, 3000, 16)  # 16 x 3000 = 48000
+    assert _walk_plan(config, 64, 64, 22, 48_000, False)[2] == 1  # 22 x 3000 = 66000: one walk
+
+
 @pytest.mark.parametrize("reverse", [False, True])
 @pytest.mark.parametrize("gates", [("g",), ("g", "g_gamma"), ()])
 def test_segmented_walk(rng, reverse, gates):
