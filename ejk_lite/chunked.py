@@ -340,6 +340,11 @@ class ChunkedConfig:
     # sub-chunk blocks of the other chunks, per K tile; 16-bit inputs only; None: never. See
     # the module docstring ("Mild gates") for the bound.
     fast_decay: float | None = 20.0
+    # The chunk of the forward alone (no gradient asked; a scalar gate or none), which stores a
+    # state a chunk: longer chunks store fewer (B4 T4096 H16 K=V=128, chunks of 64: its two
+    # kernels move about 670 MB, half of it states). None: the call's chunk_size. The result is
+    # the same function of the inputs; only the rounding differs.
+    forward_alone_chunk: int | None = None
 
     @classmethod
     def kernel_fields(cls) -> tuple[str, ...]:
@@ -372,6 +377,13 @@ class ChunkedConfig:
                 raise ValueError(f"ChunkedConfig.fast_decay must be None or a number in [0, "
                                  f"{_MAX_FAST_DECAY:g}], got {bound!r}")
             object.__setattr__(self, "fast_decay", float(bound))
+        chunk = self.forward_alone_chunk
+        if chunk is not None:
+            chunk = static_int(chunk, "ChunkedConfig.forward_alone_chunk", minimum=1)
+            if chunk not in (16, 32, 64, 128):
+                raise ValueError(f"ChunkedConfig.forward_alone_chunk must be None, 16, 32, 64 or 128, "
+                                 f"got {chunk}")
+            object.__setattr__(self, "forward_alone_chunk", chunk)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -2014,6 +2026,8 @@ def _forward(static, query, key, value, a, h0, cu_seqlens, residuals=True):
         A = jnp.zeros((batch, seq_len, num_heads, static.chunk_size), _scores_dtype(query.dtype, a))
         return o, state.astype(jnp.float32), A, None
     if not residuals and (a is None or a.ndim == 3):
+        if static.config.forward_alone_chunk is not None:
+            static = dataclasses.replace(static, chunk_size=static.config.forward_alone_chunk)
         launch = vmap_by_folding(functools.partial(_forward_alone_launch, static), in_axes=_FWD_IN_AXES,
                                  out_axes=(0, 0))
         o, final_state = launch(query, key, value, a, h0, cu_seqlens)
@@ -2211,12 +2225,14 @@ def chunked_recurrent(
     if impl == "xla":
         return reference(query, key, value, g, g_gamma, gk, None, scale, initial_state, reverse, cu_seqlens)
     num_heads, key_dim, value_dim = query.shape[2], query.shape[3], value.shape[3]
-    if max(chunk_size * num_heads * max(key_dim, value_dim), key_dim * value_dim) >= 2**31:
+    longest = max(chunk_size, config.forward_alone_chunk or 0)
+    if max(longest * num_heads * max(key_dim, value_dim), key_dim * value_dim) >= 2**31:
         # Several kernels address a chunk's rows (and a state's tile) in 32 bits from a 64-bit
         # base: cheaper than 64-bit offsets per element (see ChunkedConfig.fast).
-        raise ValueError(f"chunk_size x heads x max(K, V) = {chunk_size} x {num_heads} x "
+        name = "chunk_size" if longest == chunk_size else "ChunkedConfig.forward_alone_chunk"
+        raise ValueError(f"{name} x heads x max(K, V) = {longest} x {num_heads} x "
                          f"{max(key_dim, value_dim)} (or K x V = {key_dim} x {value_dim}) reaches 2**31 "
                          f"elements, past the kernels' 32-bit offsets within a chunk; use a smaller "
-                         f"chunk_size or impl='xla'")
+                         f"{name} or impl='xla'")
     static = _Static(scale=scale, chunk_size=chunk_size, reverse=reverse, config=config)
     return _chunked_jit(static, query, key, value, g, g_gamma, gk, initial_state, cu_seqlens)
