@@ -362,7 +362,7 @@ class ChunkedConfig:
         if not isinstance(self.split_walk, (bool, np.bool_)):
             raise ValueError(f"ChunkedConfig.split_walk must be a bool, got {self.split_walk!r}")
         object.__setattr__(self, "split_walk", bool(self.split_walk))
-        sub = static_int(self.sub_chunk, "ChunkedConfig.sub_chunk", 1)
+        sub = static_int(self.sub_chunk, "ChunkedConfig.sub_chunk", minimum=1)
         if sub not in (16, 32, 64):
             raise ValueError(f"ChunkedConfig.sub_chunk must be 16, 32 or 64, got {sub!r}")
         object.__setattr__(self, "sub_chunk", sub)
