@@ -1051,22 +1051,25 @@ def _gk_diagonal_kernel(
         offs_k = i_k * BK + tl.arange(0, BK)
         mask_k = offs_k < K
         b_q = _load_rows(q + i_h * K, tok, valid, offs_k, mask_k, H * K).to(tl.float32)
-        mild = False
-        if FAST_DECAY is not None:
+        # Two levels: a Python bool assigned to a variable is a tensor to Triton, so an `if` on
+        # it compiles both branches, and the product's needs no gates where FAST_DECAY is None.
+        if FAST_DECAY is None:
+            b_d = _diagonal_walk(b_d, b_q, k, a, c, i_s, i_c, i_h, i_kv, start, end, row_base, offs_k, mask_k,
+                                 H, H_KV, K, BT, BC, BK, UNROLL, REVERSE)
+        else:
             b_a = _load_gates(a, tok, valid, i_h, offs_k, mask_k, H, K)
             column = tl.sum(b_a, axis=0)
             total = tl.sum(column, axis=0)  # NaN if a gate is: the walk makes NaN exactly
-            mild = (tl.min(column, axis=0) >= -FAST_DECAY) & (total == total)
-        if mild:
-            b_k = _load_rows(k + i_kv * K, tok, valid, offs_k, mask_k, H_KV * K).to(tl.float32)
-            from_first = tl.cumsum(b_a, axis=0)  # exp(G_i - G_j): the decay over (j, i]
-            b_qg, b_kg = b_q * tl.exp(from_first), b_k * tl.exp(-from_first)
-            if q.dtype.element_ty == tl.bfloat16:  # as _gk_fast_kernel: float16 stays float32
-                b_qg, b_kg = b_qg.to(tl.bfloat16), b_kg.to(tl.bfloat16)
-            b_d = tl.dot(b_qg, tl.trans(b_kg), acc=b_d, input_precision=F32_DOT)
-        else:
-            b_d = _diagonal_walk(b_d, b_q, k, a, c, i_s, i_c, i_h, i_kv, start, end, row_base, offs_k, mask_k,
-                                 H, H_KV, K, BT, BC, BK, UNROLL, REVERSE)
+            if (tl.min(column, axis=0) >= -FAST_DECAY) & (total == total):
+                b_k = _load_rows(k + i_kv * K, tok, valid, offs_k, mask_k, H_KV * K).to(tl.float32)
+                from_first = tl.cumsum(b_a, axis=0)  # exp(G_i - G_j): the decay over (j, i]
+                b_qg, b_kg = b_q * tl.exp(from_first), b_k * tl.exp(-from_first)
+                if q.dtype.element_ty == tl.bfloat16:  # as _gk_fast_kernel: float16 stays float32
+                    b_qg, b_kg = b_qg.to(tl.bfloat16), b_kg.to(tl.bfloat16)
+                b_d = tl.dot(b_qg, tl.trans(b_kg), acc=b_d, input_precision=F32_DOT)
+            else:
+                b_d = _diagonal_walk(b_d, b_q, k, a, c, i_s, i_c, i_h, i_kv, start, end, row_base, offs_k,
+                                     mask_k, H, H_KV, K, BT, BC, BK, UNROLL, REVERSE)
     tl.store(A + (tok[:, None] * H + i_h) * BT + i_s * BC + c[None, :],
              (tl.where(c[None, :] <= c[:, None], b_d, 0.0) * SCALE).to(A.dtype.element_ty),
              mask=valid[:, None])
