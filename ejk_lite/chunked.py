@@ -319,6 +319,10 @@ class ChunkedConfig:
     # 0.338; BK32 2 warps 0.495, BK32 4 warps 0.466, BK64 8 warps 0.424, BK128 8 warps 0.386),
     # against 1.015 for _intra_grads_kernel alone; forward + backward 2.578 -> 1.931 ms.
     fast_grads: KernelConfig = KernelConfig()
+    # _gk_diagonal_kernel, with strong gates (log_sigmoid of N(0, 1): every chunk takes it) at
+    # B4 T4096 H16 K=V=128 (H200, bf16, medians of 10, checked): 0.154 ms per call with the
+    # one-product shortcut for mild sub-chunks (fast_decay), 0.263 walking every K tile; the
+    # forward 0.780 against 0.843 ms, forward + backward 2.860 against 2.904.
     diagonal: KernelConfig = KernelConfig(block_k=128, num_warps=1)
     output: KernelConfig = KernelConfig()
     # _fused_output_kernel: the forward alone with a scalar gate or none (no A, no decayed q and
@@ -326,7 +330,14 @@ class ChunkedConfig:
     # Measured (H200, bf16, B4 T4096 H16 K=V=128, scalar gate, per-kernel medians over one
     # trace; bench/_probe_chunked_gk.py --forward-only, not recorded): 0.117 ms at BV128 3 stages
     # (2 stages 0.125, 8 warps 0.127; BV64 4 warps 0.147, 8 warps 0.160), fla's
-    # chunk_fwd_kernel_o 0.131.
+    # chunk_fwd_kernel_o 0.131. Chunks of 128 for the forward alone (half the states written
+    # and read) lost at every race shape (H200, bf16, medians of 10, checked; best of six tile
+    # choices): forward 0.248 against 0.208 ms at B4 T4096 H16 K=V=128, 0.253 against 0.217 at
+    # B8 T2048, 0.177 against 0.120 at B1 T32768 H8 K=V=64. Their [128, 128] scores took this
+    # kernel from 0.119 to 0.167 ms at BV128 8 warps 2 stages (at the first shape). Split into
+    # two programs of 64 rows, the second also attending to the first block's keys (branch
+    # attempt/fused-output-rows): 0.152 ms, the forward 0.216 with the states' walk at 0.060
+    # (BK64 BV64 8 warps 3 stages; 0.083 in chunks of 64).
     fused_output: KernelConfig = KernelConfig(block_v=128, num_stages=3)
     state_grads: KernelConfig = KernelConfig(block_v=32, num_stages=3)
     dA: KernelConfig = KernelConfig()
@@ -340,11 +351,6 @@ class ChunkedConfig:
     # sub-chunk blocks of the other chunks, per K tile; 16-bit inputs only; None: never. See
     # the module docstring ("Mild gates") for the bound.
     fast_decay: float | None = 20.0
-    # The chunk of the forward alone (no gradient asked; a scalar gate or none), which stores a
-    # state a chunk: longer chunks store fewer (B4 T4096 H16 K=V=128, chunks of 64: its two
-    # kernels move about 670 MB, half of it states). None: the call's chunk_size. The result is
-    # the same function of the inputs; only the rounding differs.
-    forward_alone_chunk: int | None = None
 
     @classmethod
     def kernel_fields(cls) -> tuple[str, ...]:
@@ -377,13 +383,6 @@ class ChunkedConfig:
                 raise ValueError(f"ChunkedConfig.fast_decay must be None or a number in [0, "
                                  f"{_MAX_FAST_DECAY:g}], got {bound!r}")
             object.__setattr__(self, "fast_decay", float(bound))
-        chunk = self.forward_alone_chunk
-        if chunk is not None:
-            chunk = static_int(chunk, "ChunkedConfig.forward_alone_chunk", minimum=1)
-            if chunk not in (16, 32, 64, 128):
-                raise ValueError(f"ChunkedConfig.forward_alone_chunk must be None, 16, 32, 64 or 128, "
-                                 f"got {chunk}")
-            object.__setattr__(self, "forward_alone_chunk", chunk)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -2029,8 +2028,6 @@ def _forward(static, query, key, value, a, h0, cu_seqlens, residuals=True):
         A = jnp.zeros((batch, seq_len, num_heads, static.chunk_size), _scores_dtype(query.dtype, a))
         return o, state.astype(jnp.float32), A, None
     if not residuals and (a is None or a.ndim == 3):
-        if static.config.forward_alone_chunk is not None:
-            static = dataclasses.replace(static, chunk_size=static.config.forward_alone_chunk)
         launch = vmap_by_folding(functools.partial(_forward_alone_launch, static), in_axes=_FWD_IN_AXES,
                                  out_axes=(0, 0))
         o, final_state = launch(query, key, value, a, h0, cu_seqlens)
@@ -2228,14 +2225,12 @@ def chunked_recurrent(
     if impl == "xla":
         return reference(query, key, value, g, g_gamma, gk, None, scale, initial_state, reverse, cu_seqlens)
     num_heads, key_dim, value_dim = query.shape[2], query.shape[3], value.shape[3]
-    longest = max(chunk_size, config.forward_alone_chunk or 0)
-    if max(longest * num_heads * max(key_dim, value_dim), key_dim * value_dim) >= 2**31:
+    if max(chunk_size * num_heads * max(key_dim, value_dim), key_dim * value_dim) >= 2**31:
         # Several kernels address a chunk's rows (and a state's tile) in 32 bits from a 64-bit
         # base: cheaper than 64-bit offsets per element (see ChunkedConfig.fast).
-        name = "chunk_size" if longest == chunk_size else "ChunkedConfig.forward_alone_chunk"
-        raise ValueError(f"{name} x heads x max(K, V) = {longest} x {num_heads} x "
+        raise ValueError(f"chunk_size x heads x max(K, V) = {chunk_size} x {num_heads} x "
                          f"{max(key_dim, value_dim)} (or K x V = {key_dim} x {value_dim}) reaches 2**31 "
                          f"elements, past the kernels' 32-bit offsets within a chunk; use a smaller "
-                         f"{name} or impl='xla'")
+                         f"chunk_size or impl='xla'")
     static = _Static(scale=scale, chunk_size=chunk_size, reverse=reverse, config=config)
     return _chunked_jit(static, query, key, value, g, g_gamma, gk, initial_state, cu_seqlens)

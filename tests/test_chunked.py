@@ -500,10 +500,6 @@ def test_refuses_chunks_past_32_bit_offsets(heads, key_dim, value_dim):
         jax.eval_shape(lambda q, k, v: chunked_recurrent(q, k, v, impl="triton"), q, q, v)
     if value_dim == 64:
         jax.eval_shape(lambda q, k, v: chunked_recurrent(q, k, v, impl="triton", chunk_size=32), q, q, v)
-        longer = ChunkedConfig(forward_alone_chunk=64)  # the forward alone's chunk counts too
-        with pytest.raises(ValueError, match="ChunkedConfig.forward_alone_chunk x heads x max"):
-            jax.eval_shape(lambda q, k, v: chunked_recurrent(q, k, v, impl="triton", chunk_size=32,
-                                                             config=longer), q, q, v)
     jax.eval_shape(lambda q, k, v: chunked_recurrent(q, k, v, impl="xla"), q, q, v)  # no such bound
 
 
@@ -520,8 +516,6 @@ def test_refuses_chunks_past_32_bit_offsets(heads, key_dim, value_dim):
     (lambda: ChunkedConfig(min_walk_programs=True), "min_walk_programs"),
     (lambda: ChunkedConfig(split_walk=1), "split_walk"),
     (lambda: ChunkedConfig(split_programs=0), "split_programs"),
-    (lambda: ChunkedConfig(forward_alone_chunk=100), "forward_alone_chunk"),
-    (lambda: ChunkedConfig(forward_alone_chunk=64.0), "forward_alone_chunk"),
 ])
 def test_bad_config(make, field):
     with pytest.raises(ValueError, match=field):
@@ -572,40 +566,6 @@ def test_segmented_walk(rng, reverse, gates):
                          gate_scale=0.3)
     assert _walk_plan(ChunkedConfig(), 16, 24, 2 * 2, 38, False)[2:] == (3, 16)
     check(rng, inputs, chunk_size=16, reverse=reverse)
-
-
-@pytest.mark.parametrize("forward_alone_chunk", [16, 128])
-@pytest.mark.parametrize("packed,gates,reverse", [(False, ("g",), False), (True, ("g", "g_gamma"), True),
-                                                  (False, (), True)])
-def test_forward_alone_chunk(rng, forward_alone_chunk, packed, gates, reverse):
-    """The forward alone in chunks of its own (ChunkedConfig.forward_alone_chunk), the forward
-    with residuals and the backward in the call's (64): both against the reference (check)."""
-    lengths = [150, 1, 70]
-    inputs = make_inputs(rng, batch=1 if packed else 2, seq_len=sum(lengths) if packed else 150,
-                         gates=gates, gate_scale=0.3, num_states=len(lengths) if packed else None)
-    options = dict(cu_seqlens=packing(lengths)) if packed else {}
-    check(rng, inputs, chunk_size=64, reverse=reverse,
-          config=ChunkedConfig(forward_alone_chunk=forward_alone_chunk), **options)
-
-
-@pytest.mark.parametrize("forward_alone_chunk, taken", [(None, 64), (128, 128), (16, 16)])
-def test_forward_alone_takes_its_chunk(rng, monkeypatch, forward_alone_chunk, taken):
-    """The forward alone's kernels are launched with the configured chunk (a spy on the launch);
-    test_forward_alone_chunk checks what they compute."""
-    module = importlib.import_module("ejk_lite.chunked")
-    launch, chunks = module._forward_alone_launch, []
-
-    def spy(static, *args):
-        chunks.append(static.chunk_size)
-        return launch(static, *args)
-
-    monkeypatch.setattr(module, "_forward_alone_launch", spy)
-    inputs = make_inputs(rng, seq_len=40, with_state=False)
-    q, k, v = (jnp.asarray(inputs[n], jnp.float32) for n in ("query", "key", "value"))
-    static = _Static(scale=0.5, chunk_size=64, reverse=False,
-                     config=ChunkedConfig(forward_alone_chunk=forward_alone_chunk))
-    _forward(static, q, k, v, None, None, None, residuals=False)
-    assert chunks and set(chunks) == {taken}
 
 
 def test_segmented_walk_under_vmap(rng):
