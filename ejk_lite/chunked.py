@@ -273,8 +273,12 @@ class ChunkedConfig:
     # 0.264 at 4 warps), against 0.277 above; fla's chunk_fwd_kernel_h 0.204 there, whose
     # autotuning picks BK32 BV32 4 stages too. Deeper look-ahead of the decays (two or three
     # chunks, in registers) lost, 0.47-1.2 ms; decaying v instead of k did not help,
-    # 0.245-0.268 against 0.254-0.265 on two machines.
-    states_alone: KernelConfig = KernelConfig(block_k=64, block_v=64, num_warps=8, num_stages=4)
+    # 0.245-0.268 against 0.254-0.265 on two machines. Later (H200, the same probe, medians of
+    # 10, checked), BV128: _states_kernel 0.082 -> 0.078 ms at B4 T4096 H16 K=V=128 (128
+    # programs; the forward 0.209 -> 0.205) and 0.091 -> 0.070 at B8 T2048 (0.217 -> 0.198);
+    # 3 stages alike (0.078, 0.070), 4 warps 0.080 and 0.069, BK128 BV128 0.089 and 0.074, BK128
+    # BV64 0.088 and 0.074, BK64 BV64 at 2 stages 0.103 and 0.107. K=V=64 caps BV at 64.
+    states_alone: KernelConfig = KernelConfig(block_k=64, block_v=128, num_warps=8, num_stages=4)
     min_walk_programs: int = 128
     # Still short of min_walk_programs once narrowed (a few long sequences, no packing), the
     # forward alone cuts its walk into segments walked at once (see _segments_kernel), enough

@@ -525,7 +525,7 @@ def test_bad_config(make, field):
 @pytest.mark.parametrize("key_dim, value_dim, walks, tiles", [
     (64, 64, 8, (32, 32)),     # B1 H8 K=V=64: 8 programs at 64 x 64, 32 once halved twice
     (64, 64, 64, (64, 32)),    # 64 -> 128 programs with V halved once
-    (128, 128, 64, (64, 64)),  # B4 H16 K=V=128: 256 programs already
+    (128, 128, 64, (64, 128)),  # B4 H16 K=V=128: 128 programs already
     (64, 64, 1, (32, 32)),     # never below 32
     (16, 48, 2, (16, 32)),     # tiles cut to K first (16), then V halved from 64 to 32
 ])
@@ -537,7 +537,7 @@ def test_walk_tiles(key_dim, value_dim, walks, tiles):
 
 @pytest.mark.parametrize("key_dim, value_dim, walks, num_chunks, packed, plan", [
     (64, 64, 8, 512, False, (32, 32, 16, 32)),   # B1 T32768 H8: 32 programs x 16 segments
-    (128, 128, 64, 64, False, (64, 64, 1, 1 << 30)),  # B4 T4096 H16: 256 programs, one walk
+    (128, 128, 64, 64, False, (64, 128, 1, 1 << 30)),  # B4 T4096 H16: 128 programs, one walk
     (64, 64, 8, 512, True, (32, 32, 1, 1 << 30)),  # packed: never cut
     (16, 16, 1, 20, False, (16, 16, 2, 16)),     # segments of at least 16 steps
     (64, 64, 2, 512, False, (32, 32, 32, 16)),   # 8 programs: 64 segments of 8 wanted, 32 of 16
