@@ -1055,7 +1055,8 @@ def _gk_diagonal_kernel(
         mask_k = offs_k < K
         b_q = _load_rows(q + i_h * K, tok, valid, offs_k, mask_k, H * K).to(tl.float32)
         # Two levels: a Python bool assigned to a variable is a tensor to Triton, so an `if` on
-        # it compiles both branches, and the product's needs no gates where FAST_DECAY is None.
+        # it compiles both branches, and the product's would read gates never loaded where
+        # FAST_DECAY is None.
         if FAST_DECAY is None:
             b_d = _diagonal_walk(b_d, b_q, k, a, c, i_s, i_c, i_h, i_kv, start, end, row_base, offs_k, mask_k,
                                  H, H_KV, K, BT, BC, BK, UNROLL, REVERSE)
