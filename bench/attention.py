@@ -45,7 +45,8 @@ Every peer against ours on the full output and full gradients. Relative L2 error
 the device.
 
 The masks ours is given are built once per case (as FlexAttention's are) with ``make_block_mask``
-at ours' forward block sizes, from arrays passed to ``jit``: the segment ids, or ``arange``
+at ours' forward block sizes, keeping the backward's (``BlockMask.keeping``), from arrays passed
+to ``jit``: the segment ids, or ``arange``
 positions for causal and window (a mask built from constants alone would be folded by XLA at
 compile time, slowly, and never timed); ``causal=False`` in the call, as the mask carries its rule.
 
@@ -174,8 +175,9 @@ def rule_kwargs(mask: Mask, seg: jax.Array | None) -> dict[str, Any]:
 
 
 @functools.lru_cache(maxsize=None)
-def build_fn(mask: Mask, seq_len: int, q_block: int, kv_block: int):
-    """A jitted ``make_block_mask`` for ``mask`` (one per mask and size: jit's cache is reused).
+def build_fn(mask: Mask, seq_len: int, q_block: int, kv_block: int, keep: tuple = ()):
+    """A jitted ``make_block_mask`` for ``mask`` (one per mask and size: jit's cache is reused),
+    also holding its lists at each block size in ``keep`` (``BlockMask.keeping``).
 
     Its arguments are the segment ids (documents) or ``arange`` positions ``[1, T]`` (causal,
     window), so that every mask has an array input: a mask built from constants alone would be
@@ -185,7 +187,8 @@ def build_fn(mask: Mask, seq_len: int, q_block: int, kv_block: int):
         kw = rule_kwargs(mask, ids if mask.documents else None)
         if not mask.documents:
             kw.update(q_positions=ids, kv_positions=ids)
-        return ejk_lite.make_block_mask(seq_len, seq_len, q_block=q_block, kv_block=kv_block, **kw)
+        built = ejk_lite.make_block_mask(seq_len, seq_len, q_block=q_block, kv_block=kv_block, **kw)
+        return built.keeping(*keep)
 
     return jax.jit(build)
 
@@ -340,14 +343,17 @@ def race(run: Run, shape: dict, mask: Mask, inputs, seg_np: np.ndarray, cfg: dic
     q, k, v, d_o = inputs
     qkv, seg_case = (q, k, v), seg_np if mask.documents else None
     try:
-        # The mask: built once (as FlexAttention's is), at ours' forward block sizes; the build
-        # is timed apart (mask_build).
-        build = build_fn(mask, T, fwd_blocks.block_q, fwd_blocks.block_kv)
+        # The mask: built once (as FlexAttention's is, with what its backward walks), at ours'
+        # forward block sizes and kept at the backward's; the build is timed apart (mask_build).
+        build = build_fn(mask, T, fwd_blocks.block_q, fwd_blocks.block_kv,
+                         ((bwd_blocks.block_q, bwd_blocks.block_kv),))
         ids = build_arg(mask, jnp.asarray(seg_np), T)
         ours_mask = jax.block_until_ready(build(ids))
         build_stats = time_stats_ms(lambda: build(ids), samples)
-        build_rows.append(dict(name=name, what=f"make_block_mask under jit, {mask.label}",
+        build_rows.append(dict(name=name, what=f"make_block_mask under jit, {mask.label}, "
+                                              "keeping the backward's block sizes",
                                blocks=[fwd_blocks.block_q, fwd_blocks.block_kv],
+                               kept_blocks=[[bwd_blocks.block_q, bwd_blocks.block_kv]],
                                batch=B if mask.documents else 1, seq_len=T, **build_stats))
         # Work: tiles counted in NumPy (at 128 x 128 for the FLOPs; at ours' forward blocks to
         # check the library's mask), visible pairs in closed form.
@@ -552,9 +558,9 @@ def merge(path: Path, payload: dict) -> dict:
 
 
 NOTES = ("bf16 inputs; ours (impl 'triton') is called with a BlockMask prebuilt at its forward "
-         "block sizes (qkv_layouts=, causal=False), as FlexAttention is given its prebuilt "
-         "BlockMask; ours' forward+backward builds the backward's mask (its own block sizes) from "
-         "the rule inside the timed call. Masks are built from arrays passed to jit (segment ids; "
+         "block sizes and keeping its lists at the backward's (BlockMask.keeping; qkv_layouts=, "
+         "causal=False), as FlexAttention is given its prebuilt BlockMask, which holds what its "
+         "backward walks: no mask is built inside a timed call. Masks are built from arrays passed to jit (segment ids; "
          "arange positions for causal/window), so that XLA cannot fold a build into a constant; "
          "mask_build holds those make_block_mask times. Peer errors are measured against ours; "
          "ours against the float32 dense reference on a slice (first max(2, G) query heads, first "

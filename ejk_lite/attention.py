@@ -1394,7 +1394,7 @@ def _run(static: _Static, layout_block, combine, query, key, value, softmax_aux,
     for blocks in (static.fwd, static.dkv, static.dq):
         tile = (blocks.block_q, blocks.block_kv)
         if tile not in masks:  # the kernels read the kinds and lists only (and a vmap folds them)
-            masks[tile] = dataclasses.replace(mask_at(blocks), rule=None, layout=None)
+            masks[tile] = dataclasses.replace(mask_at(blocks), rule=None, layout=None, kept=())
     fwd_mask, dkv_mask, dq_mask = (masks[(b.block_q, b.block_kv)]
                                    for b in (static.fwd, static.dkv, static.dq))
     return _attention(static, query, key, value, softmax_aux, bias, rule, fwd_mask,
@@ -1441,7 +1441,8 @@ def blocksparse_attention(
         logits_soft_cap: ``cap``, a finite positive Python or NumPy number: logits become
             ``cap * tanh(logits / cap)`` before the bias.
         qkv_layouts: a :class:`~ejk_lite.masking.BlockMask` (e.g. from ``make_block_mask``, built
-            once and reused across layers), or a boolean block layout ``[nQ, nK]`` /
+            once and reused across layers; the backward rebuilds it at its own block sizes
+            unless the mask keeps them, ``BlockMask.keeping``), or a boolean block layout ``[nQ, nK]`` /
             ``[Hq, nQ, nK]`` whose tiles are ``chunk_size`` tokens (default 128); listed tiles may
             be visited. The call's
             own rules hold too (``causal=True`` by default): a mask whose rule implies them is used

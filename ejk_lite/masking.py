@@ -23,7 +23,7 @@ only. That is exact because a layout never makes a tile partial: kernel tiles ar
 layout tiles, so a listed layout tile covers whole kernel tiles, which are then full where the
 layout decides (``or``) or decided by ``R`` (``and``). The block sizes of a mask are a property of
 the *kernel*; the same mask at other block sizes (a backward's) is :meth:`BlockMask.with_blocks`,
-one call.
+one call, and :meth:`BlockMask.keeping` builds those lists once and stores them in the mask.
 
 **Exact.** A tile is listed iff at least one pair in it is visible and full iff all are (pairs past
 the ends of the sequences do not count). With a token ``attention_mask`` this is computed from the
@@ -210,6 +210,8 @@ class BlockMask:
     layout_block: tuple[int, int] | None = dataclasses.field(default=None,
                                                              metadata=dict(static=True))
     combine: str = dataclasses.field(default="and", metadata=dict(static=True))
+    # The same mask at other block sizes, built once (:meth:`keeping`), without rule and layout.
+    kept: tuple[BlockMask, ...] = ()
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -217,11 +219,33 @@ class BlockMask:
         return tuple(self.kinds.shape)
 
     def with_blocks(self, q_block: int, kv_block: int) -> BlockMask:
-        """The same mask (same token semantics) at other block sizes, e.g. the backward's."""
+        """The same mask (same token semantics) at other block sizes, e.g. the backward's: the
+        lists :meth:`keeping` stored, or built from the rule and layout."""
         if (q_block, kv_block) == (self.q_block, self.kv_block):
             return self
+        for kept in self.kept:
+            if (kept.q_block, kept.kv_block) == (q_block, kv_block):
+                return dataclasses.replace(kept, rule=self.rule, layout=self.layout)
         return build_block_mask(self.rule, self.layout, self.layout_block, self.combine,
                       self.q_len, self.kv_len, q_block, kv_block)
+
+    def keeping(self, *blocks: tuple[int, int]) -> BlockMask:
+        """The same mask, holding its lists at each ``(q_block, kv_block)`` of ``blocks`` as well,
+        built now: :meth:`with_blocks` then returns them with no build. For a mask built once
+        and used by many calls whose backward tiles differ from the forward's, e.g.
+        ``mask.keeping((bwd.block_q, bwd.block_kv))``; FlexAttention's ``BlockMask`` likewise
+        holds what its backward walks. Each kept size costs its lists' memory."""
+        kept = list(self.kept)
+        for size in blocks:
+            if not isinstance(size, tuple) or len(size) != 2:
+                raise ValueError(f"keeping takes (q_block, kv_block) pairs, got {size!r}")
+            power_of_two(size[0], "q_block")
+            power_of_two(size[1], "kv_block")
+            size = (int(size[0]), int(size[1]))
+            if size != (self.q_block, self.kv_block) and all(
+                    (m.q_block, m.kv_block) != size for m in kept):
+                kept.append(dataclasses.replace(self.with_blocks(*size), rule=None, layout=None))
+        return dataclasses.replace(self, kept=tuple(kept))
 
     def token_mask(self) -> Array:
         """The mask as a dense boolean ``[Bm, Hm, T, S]``: memory T x S, for tests and pictures."""
@@ -243,7 +267,7 @@ jax.tree_util.register_dataclass(
     BlockMask,
     data_fields=["kinds", "partial_count", "partial_index", "full_count", "full_index",
                  "t_partial_count", "t_partial_index", "t_full_count", "t_full_index", "rule",
-                 "layout"],
+                 "layout", "kept"],
     meta_fields=["q_len", "kv_len", "q_block", "kv_block", "layout_block", "combine"],
 )
 
@@ -910,6 +934,14 @@ def check_block_mask(mask: Any, name: str, batch: int, heads: int, q_len: int, k
         _check_rule_shapes(mask.rule, f"{name}.rule", batch, heads, q_len, kv_len)
     if all(_is_concrete(getattr(mask, field)) for field in expected):
         _check_mask_values(mask, name)
+    if not isinstance(mask.kept, tuple):
+        raise ValueError(f"{name}.kept must be a tuple of BlockMasks (BlockMask.keeping), got "
+                         f"{type(mask.kept).__name__}")
+    for i, kept in enumerate(mask.kept):  # the backward's kernels read these lists too
+        check_block_mask(kept, f"{name}.kept[{i}]", batch, heads, q_len, kv_len)
+        if kept.kept or kept.rule is not None or kept.layout is not None:
+            raise ValueError(f"{name}.kept[{i}] must hold lists only (no rule, layout or kept "
+                             "masks of its own): build it with BlockMask.keeping")
 
 
 def _check_rule_shapes(rule: TokenRule, name: str, batch: int, heads: int, T: int, S: int) -> None:

@@ -9,7 +9,9 @@ in NumPy, so that a misreading shared by the reference and the kernels (the sink
 denominator, soft cap before bias, rows with nothing visible) cannot pass unnoticed.
 """
 
+import dataclasses
 import functools
+import importlib
 
 import jax
 import jax.extend.core
@@ -313,6 +315,31 @@ def test_prebuilt_block_mask_equals_rule(rng):
     assert rel_err(prebuilt[0], numpy_attention(**arrays, **doc)) <= tol
 
 
+def test_prebuilt_mask_keeping_the_backwards_blocks(rng, monkeypatch):
+    """A mask that keeps its lists at the backward's block sizes (BlockMask.keeping): the call
+    builds no mask (a spy on the builder fails it), and output and gradients equal those of the
+    mask rebuilt inside the call, and the float64 reference's."""
+    B, T = 2, 50
+    doc = documents(rng, B, T, window=(10, 0))
+    mask = make_block_mask(T, T, q_block=FWD.block_q, kv_block=FWD.block_kv, **doc)
+    arrays = make_inputs(rng, B=B, T=T, H=4, H_kv=2)
+    seed = int(rng.integers(2**31))
+    rebuilt = run(arrays, jnp.float32, dict(qkv_layouts=mask, causal=False),
+                  cotangent_rng=np.random.default_rng(seed))
+    keeping = mask.keeping((BWD.block_q, BWD.block_kv))
+    for name in ("ejk_lite.attention", "ejk_lite.masking"):
+        monkeypatch.setattr(importlib.import_module(name), "build_block_mask",
+                            lambda *a, **k: pytest.fail("a mask was built inside the call"))
+    kept = run(arrays, jnp.float32, dict(qkv_layouts=keeping, causal=False),
+               cotangent_rng=np.random.default_rng(seed))
+    out, grads, ref, ref_grads, _ = kept
+    assert rel_err(out, ref) <= TOLERANCE["float32"]
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(rebuilt[0]))
+    for name in grads:
+        assert rel_err(grads[name], ref_grads[name]) <= TOLERANCE["float32"], name
+        np.testing.assert_array_equal(np.asarray(grads[name]), np.asarray(rebuilt[1][name]))
+
+
 def test_mask_builder(rng):
     """mask_builder returns a block layout (tiles of chunk_size) or a BlockMask."""
     T = 48
@@ -438,6 +465,9 @@ def bad_inputs():
         ("impl", dict(impl="cuda")),
         ("logits_soft_cap", dict(logits_soft_cap=-1.0)),
         ("qkv_layouts", dict(qkv_layouts=make_block_mask(16, 16, q_block=16, kv_block=16))),
+        ("qkv_layouts.kept.0. covers", dict(qkv_layouts=dataclasses.replace(
+            make_block_mask(16, 24, q_block=16, kv_block=16),
+            kept=(make_block_mask(16, 16, q_block=16, kv_block=16, causal=True),)))),
         ("layout", dict(qkv_layouts=np.ones((3, 3), bool), chunk_size=16)),
         ("chunk_size", dict(qkv_layouts=np.ones((1, 1), bool), chunk_size=24)),
         ("fwd_blocks", dict(fwd_blocks=(16, 16))),

@@ -14,6 +14,7 @@ under ``jax.jit``) has tests of its own below.
 """
 
 import functools
+import importlib
 
 import hypothesis.strategies as st
 import jax
@@ -379,6 +380,33 @@ def test_with_blocks_equals_building_directly(data):
             np.testing.assert_array_equal(np.broadcast_to(a, b.shape), b)
         check_mask(other, brute_visible(T, S, **kw))
         assert mask.with_blocks(bq, bk) is mask
+
+
+def test_keeping_stores_other_block_sizes(monkeypatch):
+    """BlockMask.keeping builds the lists at other block sizes once: with_blocks then returns them
+    (equal to a direct build, with the mask's rule) and builds nothing (a spy on the builder
+    fails otherwise); the sizes are checked."""
+    rng = np.random.default_rng(0)
+    T = 70
+    ids = np.stack([document_ids(rng, T) for _ in range(B)]).astype(np.int32)
+    kw = dict(q_segment_ids=ids, kv_segment_ids=ids, causal=True, sliding_window=20)
+    mask = make_block_mask(T, T, q_block=32, kv_block=32, **kw)
+    kept = mask.keeping((16, 16), (32, 16), (16, 16), (32, 32))  # repeats and its own: skipped
+    assert [(m.q_block, m.kv_block) for m in kept.kept] == [(16, 16), (32, 16)]
+    assert all(m.rule is None and m.layout is None for m in kept.kept)
+    monkeypatch.setattr(importlib.import_module("ejk_lite.masking"), "build_block_mask",
+                        lambda *a, **k: pytest.fail("with_blocks built a mask it keeps"))
+    for bq, bk in ((16, 16), (32, 16)):
+        other = kept.with_blocks(bq, bk)
+        assert (other.q_block, other.kv_block) == (bq, bk) and other.rule is mask.rule
+        monkeypatch.undo()
+        direct = make_block_mask(T, T, q_block=bq, kv_block=bk, **kw)
+        for a, b in zip(mask_arrays(other), mask_arrays(direct)):
+            np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="q_block"):
+        mask.keeping((24, 16))
+    with pytest.raises(ValueError, match="pairs"):
+        mask.keeping(16)
 
 
 def test_with_blocks_coarser_than_layout_is_an_error():
