@@ -859,6 +859,18 @@ def _attention_kernel(
 
 
 @triton.jit
+def _mild_product(acc, b_qg, b_k, from_start, BF16: tl.constexpr, F32_DOT: tl.constexpr):
+    """``acc + (q exp(G)) (k exp(-G))^T`` for rows whose decays are mild (``G`` summed from the
+    first row, ``b_qg`` already ``q exp(G)``): _gk_fast_kernel's whole chunk, _gk_diagonal_kernel's
+    sub-chunk. The operands: bfloat16 keeps float32's range; float16 may not hold ``k exp(-G)``,
+    so its operands stay float32, multiplied as TF32 (float16's mantissa)."""
+    b_kg = b_k * tl.exp(-from_start)
+    if BF16:
+        b_qg, b_kg = b_qg.to(tl.bfloat16), b_kg.to(tl.bfloat16)
+    return tl.dot(b_qg, tl.trans(b_kg), acc=acc, input_precision=F32_DOT)
+
+
+@triton.jit
 def _gk_fast_kernel(
     q, k, a, cu_seqlens, chunk_indices, T, NT_SLOTS, num_seqs,
     # outputs, for the chunks it takes (fast = 1): A [B * T, H, BT] whole, q exp(G),
@@ -924,12 +936,7 @@ def _gk_fast_kernel(
             tl.store(kd + out, (b_k * tl.exp(tl.cumsum(b_a1, axis=0, reverse=True))).to(kd.dtype.element_ty),
                      mask=out_mask)
             tl.store(gamma + (slot * H + i_h) * K + offs_k, tl.sum(b_a, axis=0), mask=mask_k)
-            # The product's operands: bfloat16 keeps float32's range; float16 may not hold
-            # k exp(-G), so its operands stay float32, multiplied as TF32 (float16's mantissa).
-            b_kg = b_k * tl.exp(-from_start)
-            if q.dtype.element_ty == tl.bfloat16:
-                b_qg, b_kg = b_qg.to(tl.bfloat16), b_kg.to(tl.bfloat16)
-            b_A = tl.dot(b_qg, tl.trans(b_kg), acc=b_A, input_precision=F32_DOT)
+            b_A = _mild_product(b_A, b_qg, b_k, from_start, q.dtype.element_ty == tl.bfloat16, F32_DOT)
         b_A = tl.where(r[:, None] >= r[None, :], b_A, 0.0)
         tl.store(A + rel[:, None] * (H * BT) + r[None, :], (b_A * SCALE).to(A.dtype.element_ty),
                  mask=valid[:, None])
@@ -1067,10 +1074,8 @@ def _gk_diagonal_kernel(
             if (tl.min(column, axis=0) >= -FAST_DECAY) & (total == total):
                 b_k = _load_rows(k + i_kv * K, tok, valid, offs_k, mask_k, H_KV * K).to(tl.float32)
                 from_first = tl.cumsum(b_a, axis=0)  # exp(G_i - G_j): the decay over (j, i]
-                b_qg, b_kg = b_q * tl.exp(from_first), b_k * tl.exp(-from_first)
-                if q.dtype.element_ty == tl.bfloat16:  # as _gk_fast_kernel: float16 stays float32
-                    b_qg, b_kg = b_qg.to(tl.bfloat16), b_kg.to(tl.bfloat16)
-                b_d = tl.dot(b_qg, tl.trans(b_kg), acc=b_d, input_precision=F32_DOT)
+                b_d = _mild_product(b_d, b_q * tl.exp(from_first), b_k, from_first,
+                                    q.dtype.element_ty == tl.bfloat16, F32_DOT)
             else:
                 b_d = _diagonal_walk(b_d, b_q, k, a, c, i_s, i_c, i_h, i_kv, start, end, row_base, offs_k,
                                      mask_k, H, H_KV, K, BT, BC, BK, UNROLL, REVERSE)
