@@ -15,7 +15,9 @@ A variant is NAME=JSON, the JSON's keys all optional: "fwd", "dkv", "dq", each
 "mask" (default: a BlockMask built at the variant's forward tiles outside the timed call,
 positions or segment ids as jit arguments, causal=False in the call; the backward rebuilds it at
 its tiles inside the call), "kept" (the same mask keeping the backward's tiles, BlockMask.keeping,
-as bench/attention.py builds it: nothing is built in the call) or "rule"
+as bench/attention.py timed it until the race's mask had no positions: nothing is built in the
+call), "closed" (the same without positions for causal and window: the kernels compare indices,
+as bench/attention.py's race now does) or "rule"
 (no mask: causal=True, sliding_window, segment ids given to the call, positions left to arange:
 the default call, which today builds its masks inside the call).
 """
@@ -45,8 +47,8 @@ def parse_variant(spec: str):
     cfg = json.loads(text or "{}")
     if unknown := set(cfg) - {"fwd", "dkv", "dq", "call"}:
         raise SystemExit(f"{name}: unknown keys {sorted(unknown)}")
-    if cfg.get("call", "mask") not in ("mask", "kept", "rule"):
-        raise SystemExit(f"{name}: call must be 'mask', 'kept' or 'rule'")
+    if cfg.get("call", "mask") not in ("mask", "kept", "closed", "rule"):
+        raise SystemExit(f"{name}: call must be 'mask', 'kept', 'closed' or 'rule'")
     fwd = BlockSizes(*cfg["fwd"]) if "fwd" in cfg else BlockSizes.forward(128)
     dkv = BlockSizes(*cfg["dkv"]) if "dkv" in cfg else BlockSizes.backward(128)
     dq = BlockSizes(*cfg["dq"]) if "dq" in cfg else BlockSizes.backward(128)
@@ -55,10 +57,10 @@ def parse_variant(spec: str):
 
 def functions(mask, T, fwd, bwd, call, seg):
     """(forward(qkv), forward+backward(qkv, d_o)) of one variant on one mask."""
-    if call in ("mask", "kept"):
-        keep = tuple(sorted({(b.block_q, b.block_kv) for b in bwd})) if call == "kept" else ()
-        built = jax.block_until_ready(
-            bench.build_fn(mask, T, fwd.block_q, fwd.block_kv, keep)(bench.build_arg(mask, seg, T)))
+    if call in ("mask", "kept", "closed"):
+        keep = tuple(sorted({(b.block_q, b.block_kv) for b in bwd})) if call != "mask" else ()
+        build = bench.build_fn(mask, T, fwd.block_q, fwd.block_kv, keep, call != "closed")
+        built = jax.block_until_ready(build(bench.build_arg(mask, seg, T)))
 
         def attend(qkv, extra):
             return ejk_lite.blocksparse_attention(*qkv, qkv_layouts=extra, causal=False,

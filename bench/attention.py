@@ -45,10 +45,12 @@ Every peer against ours on the full output and full gradients. Relative L2 error
 the device.
 
 The masks ours is given are built once per case (as FlexAttention's are) with ``make_block_mask``
-at ours' forward block sizes, keeping the backward's (``BlockMask.keeping``), from arrays passed
-to ``jit``: the segment ids, or ``arange``
-positions for causal and window (a mask built from constants alone would be folded by XLA at
-compile time, slowly, and never timed); ``causal=False`` in the call, as the mask carries its rule.
+at ours' forward block sizes, keeping the backward's (``BlockMask.keeping``); ``causal=False`` in
+the call, as the mask carries its rule. Causal and window masks have no positions: the kernels
+then take a token's index for its position and load none, as FlexAttention's ``mask_mod``
+compares indices. The build is timed apart (``mask_build``) from arrays passed to ``jit``: the
+segment ids, or ``arange`` positions for causal and window (a mask built from constants alone
+would be folded by XLA at compile time, and never timed).
 
 Also recorded: ``make_block_mask`` time under ``jit`` for every race mask and for documents +
 causal + window 1024 at B=8, T=S=32768, 128 x 128 (``mask_build``), FlexAttention's
@@ -175,17 +177,22 @@ def rule_kwargs(mask: Mask, seg: jax.Array | None) -> dict[str, Any]:
 
 
 @functools.lru_cache(maxsize=None)
-def build_fn(mask: Mask, seq_len: int, q_block: int, kv_block: int, keep: tuple = ()):
+def build_fn(mask: Mask, seq_len: int, q_block: int, kv_block: int, keep: tuple = (),
+             positions: bool = True):
     """A jitted ``make_block_mask`` for ``mask`` (one per mask and size: jit's cache is reused),
     also holding its lists at each block size in ``keep`` (``BlockMask.keeping``).
 
     Its arguments are the segment ids (documents) or ``arange`` positions ``[1, T]`` (causal,
     window), so that every mask has an array input: a mask built from constants alone would be
-    folded by XLA at compile time (slowly), and its build would not be timed at all.
+    folded by XLA at compile time, and its build would not be timed at all. ``positions=False``
+    leaves causal and window masks without positions (the argument unused): their rule then
+    says that a token's position is its index, which the kernels compute rather than load, as
+    FlexAttention's ``mask_mod`` compares indices. The race times the build with them and
+    attends with the mask built without.
     """
     def build(ids):
         kw = rule_kwargs(mask, ids if mask.documents else None)
-        if not mask.documents:
+        if not mask.documents and positions:
             kw.update(q_positions=ids, kv_positions=ids)
         built = ejk_lite.make_block_mask(seq_len, seq_len, q_block=q_block, kv_block=kv_block, **kw)
         return built.keeping(*keep)
@@ -344,11 +351,13 @@ def race(run: Run, shape: dict, mask: Mask, inputs, seg_np: np.ndarray, cfg: dic
     qkv, seg_case = (q, k, v), seg_np if mask.documents else None
     try:
         # The mask: built once (as FlexAttention's is, with what its backward walks), at ours'
-        # forward block sizes and kept at the backward's; the build is timed apart (mask_build).
-        build = build_fn(mask, T, fwd_blocks.block_q, fwd_blocks.block_kv,
-                         ((bwd_blocks.block_q, bwd_blocks.block_kv),))
+        # forward block sizes and kept at the backward's; the build is timed apart (mask_build),
+        # from positions given as an array, while the race's mask has none (build_fn).
+        keep = ((bwd_blocks.block_q, bwd_blocks.block_kv),)
+        build = build_fn(mask, T, fwd_blocks.block_q, fwd_blocks.block_kv, keep)
         ids = build_arg(mask, jnp.asarray(seg_np), T)
-        ours_mask = jax.block_until_ready(build(ids))
+        ours_mask = jax.block_until_ready(build_fn(mask, T, fwd_blocks.block_q,
+                                                   fwd_blocks.block_kv, keep, False)(ids))
         build_stats = time_stats_ms(lambda: build(ids), samples)
         build_rows.append(dict(name=name, what=f"make_block_mask under jit, {mask.label}, "
                                               "keeping the backward's block sizes",
@@ -448,8 +457,8 @@ def sweep(run: Run, shape: dict, qkv, cfg: dict, samples: int) -> list[dict]:
         mask = (Mask("causal", "causal", None, False) if w is None
                 else Mask(f"window{w}", f"causal + window (left {w}, right 0)", (w, 0), False))
         try:
-            build = build_fn(mask, T, fwd_blocks.block_q, fwd_blocks.block_kv)
-            ours_mask = jax.block_until_ready(build(build_arg(mask, None, T)))
+            build = build_fn(mask, T, fwd_blocks.block_q, fwd_blocks.block_kv, (), False)
+            ours_mask = jax.block_until_ready(build(build_arg(mask, None, T)))  # as the race's
             blocks = count_blocks(mask, None, B, T, count_block, count_block) * H
             blocks_fwd = count_blocks(mask, None, B, T, fwd_blocks.block_q,
                                       fwd_blocks.block_kv) * H
@@ -560,9 +569,10 @@ def merge(path: Path, payload: dict) -> dict:
 NOTES = ("bf16 inputs; ours (impl 'triton') is called with a BlockMask prebuilt at its forward "
          "block sizes and keeping its lists at the backward's (BlockMask.keeping; qkv_layouts=, "
          "causal=False), as FlexAttention is given its prebuilt BlockMask, which holds what its "
-         "backward walks: no mask is built inside a timed call. Masks are built from arrays passed to jit (segment ids; "
-         "arange positions for causal/window), so that XLA cannot fold a build into a constant; "
-         "mask_build holds those make_block_mask times. Peer errors are measured against ours; "
+         "backward walks: no mask is built inside a timed call. Causal and window masks have no "
+         "positions (the kernels compare indices, as FlexAttention's mask_mod). mask_build "
+         "holds make_block_mask times with the segment ids or arange positions passed to jit, "
+         "so that XLA cannot fold a build into a constant. Peer errors are measured against ours; "
          "ours against the float32 dense reference on a slice (first max(2, G) query heads, first "
          "and last half of check queries). XLA peers are skipped where the float32 logits exceed "
          f"{peers.XLA_LOGITS_LIMIT / 2**30:.0f} GiB. Pallas mha has no window; with grouped heads "

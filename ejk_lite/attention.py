@@ -103,8 +103,12 @@ class BlockSizes:
         if head_dim <= 64:
             return BlockSizes(128, 64, num_warps=4, num_stages=3)
         if head_dim <= 128:  # H100, B4 H16 T8192, same run: causal 2.93 ms (128 x 64, 3 stages:
-            # 3.27), window 1024 1.30 (1.21), documents 0.88 (1.17); 128 x 64 with 4 warps 4.59
-            return BlockSizes(128, 128, num_warps=8, num_stages=2)
+            # 3.27), window 1024 1.30 (1.21), documents 0.88 (1.17); 128 x 64 with 4 warps 4.59.
+            # Three stages, not two (H200, B4 H16 T8192, bench/_probe_attention.py, same run,
+            # median of 3 round medians): causal 2.631 -> 2.561 ms, window 0.842 -> 0.819,
+            # documents 0.873 -> 0.858; 128 x 64 with 8 warps and 3 stages (FlexAttention's
+            # forward tiles) 3.050, 0.937, 0.928; with 4 warps 2.551, 0.832, 0.890.
+            return BlockSizes(128, 128, num_warps=8, num_stages=3)
         return BlockSizes(64, 64, num_warps=4, num_stages=2)
 
     @staticmethod
@@ -139,8 +143,10 @@ class _Static:
     causal: bool
     window: tuple[int, int] | None
     has_segments: bool
+    has_positions: bool
     has_token_mask: bool
-    clause2: tuple[str, bool, tuple[int, int] | None, bool] | None  # (op, causal, window, segments)
+    # (op, causal, window, segments, positions)
+    clause2: tuple[str, bool, tuple[int, int] | None, bool, bool] | None
 
 
 # What the kernels are compiled for, in three named groups that each kernel takes as one
@@ -165,6 +171,11 @@ class _Rule(NamedTuple):
     HAS_SEGMENTS2: bool
     IS_CAUSAL2: bool
     HAS_WINDOW2: bool
+    # Positions given (loaded in every partial tile), or not: a token's position is then its
+    # index, computed. H200, bf16 B4 H16 T8192 D128, 8 documents + causal, forward 0.873 ->
+    # 0.824 ms, forward + backward 2.924 -> 2.831 (bench/_probe_attention.py, two runs).
+    HAS_POSITIONS: bool
+    HAS_POSITIONS2: bool
 
 
 class _Shape(NamedTuple):
@@ -339,7 +350,8 @@ def _load_tile(base, offs_r, offs_c, n_rows, N_COLS: tl.constexpr, EVEN: tl.cons
 @triton.jit
 def _q_ids(ids_base, stride_kind, offs_m, T, HAS_SEGMENTS: tl.constexpr,
            USE_POSITIONS: tl.constexpr, EVEN_T: tl.constexpr):
-    """A query block's segment ids and positions in one clause (``offs_m`` where not needed)."""
+    """A query block's segment ids and positions in one clause (``offs_m`` where not needed or
+    not given: default positions are the indices)."""
     in_q = _in_bounds(offs_m, T, EVEN_T)
     q_seg = offs_m
     q_pos = offs_m
@@ -353,13 +365,17 @@ def _q_ids(ids_base, stride_kind, offs_m, T, HAS_SEGMENTS: tl.constexpr,
 @triton.jit
 def _clause(visible, q_seg, q_pos, ids_base, stride_kind, offs_n, in_kv, window_left,
             window_right, HAS_SEGMENTS: tl.constexpr, IS_CAUSAL: tl.constexpr,
-            HAS_WINDOW: tl.constexpr):
-    """``visible`` and one clause of the token rule: equal segments, causal, a window (as given)."""
+            HAS_WINDOW: tl.constexpr, HAS_POSITIONS: tl.constexpr):
+    """``visible`` and one clause of the token rule: equal segments, causal, a window (as given).
+    Without ``HAS_POSITIONS`` a key's position is its index: no load."""
     if HAS_SEGMENTS:
         kv_seg = tl.load(ids_base + stride_kind + offs_n, mask=in_kv, other=0)
         visible &= q_seg[:, None] == kv_seg[None, :]
     if IS_CAUSAL or HAS_WINDOW:
-        kv_pos = tl.load(ids_base + 3 * stride_kind + offs_n, mask=in_kv, other=0)
+        if HAS_POSITIONS:
+            kv_pos = tl.load(ids_base + 3 * stride_kind + offs_n, mask=in_kv, other=0)
+        else:
+            kv_pos = offs_n
         d = kv_pos[None, :] - q_pos[:, None]  # positions lie in (-2**30, 2**30): no overflow
         if IS_CAUSAL:
             visible &= d <= 0
@@ -385,17 +401,18 @@ def _visible(offs_m, offs_n, q_seg, q_pos, rule, T, S, MASKED: tl.constexpr,
     if MASKED:
         visible = _clause(in_range, q_seg, q_pos, ids_base, stride_kind, offs_n, in_kv,
                           window_left, window_right, RULE.HAS_SEGMENTS, RULE.IS_CAUSAL,
-                          RULE.HAS_WINDOW)
+                          RULE.HAS_WINDOW, RULE.HAS_POSITIONS)
         if RULE.HAS_TOKEN_MASK:
             ptrs = mask_base + offs_m.to(tl.int64)[:, None] * S + offs_n[None, :]
             visible &= tl.load(ptrs, mask=visible, other=0) != 0
         if RULE.CLAUSE2 != 0:  # the second clause's ids: four arrays further
             ids2_base = ids_base + 4 * stride_kind
             q_seg2, q_pos2 = _q_ids(ids2_base, stride_kind, offs_m, T, RULE.HAS_SEGMENTS2,
-                                    RULE.IS_CAUSAL2 or RULE.HAS_WINDOW2, EVEN_T)
+                                    (RULE.IS_CAUSAL2 or RULE.HAS_WINDOW2) and RULE.HAS_POSITIONS2,
+                                    EVEN_T)
             second = _clause(in_range, q_seg2, q_pos2, ids2_base, stride_kind, offs_n, in_kv,
                              window2_left, window2_right, RULE.HAS_SEGMENTS2, RULE.IS_CAUSAL2,
-                             RULE.HAS_WINDOW2)
+                             RULE.HAS_WINDOW2, RULE.HAS_POSITIONS2)
             if RULE.CLAUSE2 == 1:
                 visible &= second
             else:
@@ -476,7 +493,8 @@ def _fwd_program(i_m, i_bh, tensors, rule, bias, lists, sizes, LOGITS: tl.conste
     tile_rule, tile_bias = _head(rule, bias, i_b, i_h)
     ids_base, stride_kind = tile_rule[0], tile_rule[1]
     q_seg, q_pos = _q_ids(ids_base, stride_kind, offs_m, T, RULE.HAS_SEGMENTS,
-                          RULE.IS_CAUSAL or RULE.HAS_WINDOW, SHAPE.EVEN_T)
+                          (RULE.IS_CAUSAL or RULE.HAS_WINDOW) and RULE.HAS_POSITIONS,
+                          SHAPE.EVEN_T)
 
     # the sink is the first "logit" of every row: m = sink, l = exp2(sink - m) = 1
     if HAS_SINKS:
@@ -636,7 +654,7 @@ def _dkv_tiles(dk, dv, k, v, offs_n, list_ptr, count, n_blocks, i_bh64, q_side, 
         offs_m = qb * SHAPE.BQ + tl.arange(0, SHAPE.BQ)
         q, do, lse, delta, q_seg, q_pos = _bwd_q_side(
             q_ptr, do_ptr, lse_ptr, delta_ptr, ids_base, stride_kind, i_bh64, offs_m, T, SHAPE,
-            RULE.HAS_SEGMENTS, RULE.IS_CAUSAL or RULE.HAS_WINDOW)
+            RULE.HAS_SEGMENTS, (RULE.IS_CAUSAL or RULE.HAS_WINDOW) and RULE.HAS_POSITIONS)
         p, _, ds = _bwd_tile(q, k, v, do, lse, delta, offs_m, offs_n, q_seg, q_pos, rule, bias,
                              T, S, LOGITS, RULE, MASKED, SHAPE.EVEN_T, SHAPE.EVEN_S, SAFE)
         dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=LOGITS.DOT_PRECISION)
@@ -784,7 +802,7 @@ def _dq_program(i_m, i_bh, tensors, rule, bias, lists, sizes, LOGITS: tl.constex
     tile_rule, tile_bias = _head(rule, bias, i_b, i_h)
     q, do, lse, delta, q_seg, q_pos = _bwd_q_side(
         q_ptr, do_ptr, lse_ptr, delta_ptr, tile_rule[0], tile_rule[1], i_bh64, offs_m, T,
-        SHAPE, RULE.HAS_SEGMENTS, RULE.IS_CAUSAL or RULE.HAS_WINDOW)
+        SHAPE, RULE.HAS_SEGMENTS, (RULE.IS_CAUSAL or RULE.HAS_WINDOW) and RULE.HAS_POSITIONS)
     k_base = k_ptr + i_kvh64 * S * D
     v_base = v_ptr + i_kvh64 * S * SHAPE.DV
     dbias_base = dbias_ptr + i_bh64 * T * S
@@ -910,7 +928,8 @@ def _common(static: _Static, q, k, v, bias, rule, mask: BlockMask, blocks: Block
     rule_args, rule_strides = _rule_operands(rule, B, T, S)
     bias_arg, bias_strides = _bias_operands(bias, B, H, T, S)
     soft_cap = 1.0 if static.soft_cap is None else float(static.soft_cap)
-    op2, causal2, window2, segments2 = static.clause2 or ("and", False, None, False)
+    op2, causal2, window2, segments2, positions2 = static.clause2 or ("and", False, None, False,
+                                                                      False)
     scalars = [*_window(static.window), *_window(window2), T, S, mask.kinds.shape[2],
                mask.kinds.shape[3], *rule_strides, *bias_strides, *_mask_strides(mask)]
     meta = dict(
@@ -920,7 +939,7 @@ def _common(static: _Static, q, k, v, bias, rule, mask: BlockMask, blocks: Block
         RULE=_Rule(
             static.has_segments, static.causal, static.window is not None,
             static.has_token_mask, 0 if static.clause2 is None else 1 if op2 == "and" else 2,
-            segments2, causal2, window2 is not None),
+            segments2, causal2, window2 is not None, static.has_positions, positions2),
         SHAPE=_Shape(H, H // H_kv, D, DV, _pow2(D), _pow2(DV), blocks.block_q, blocks.block_kv,
                      S % blocks.block_kv == 0, T % blocks.block_q == 0),
         OPTIMISTIC=_optimistic(q.dtype),
@@ -1442,12 +1461,12 @@ def blocksparse_attention(
             ``cap * tanh(logits / cap)`` before the bias.
         qkv_layouts: a :class:`~ejk_lite.masking.BlockMask` (e.g. from ``make_block_mask``, built
             once and reused across layers; the backward rebuilds it at its own block sizes
-            unless the mask keeps them, ``BlockMask.keeping``), or a boolean block layout ``[nQ, nK]`` /
-            ``[Hq, nQ, nK]`` whose tiles are ``chunk_size`` tokens (default 128); listed tiles may
-            be visited. The call's
-            own rules hold too (``causal=True`` by default): a mask whose rule implies them is used
-            as it is; otherwise the two rules are evaluated together in partial tiles and the
-            mask's tile kinds are combined with theirs, never through a dense ``[T, S]`` mask.
+            unless the mask keeps them, ``BlockMask.keeping``), or a boolean block layout
+            ``[nQ, nK]`` / ``[Hq, nQ, nK]`` whose tiles are ``chunk_size`` tokens (default 128);
+            listed tiles may be visited. The call's own rules hold too (``causal=True`` by
+            default): a mask whose rule implies them is used as it is; otherwise the two rules
+            are evaluated together in partial tiles and the mask's tile kinds are combined with
+            theirs, never through a dense ``[T, S]`` mask.
             Pass ``causal=False`` and no other rule to use the mask's rule alone.
         softmax_scale: a finite Python or NumPy number, ``D ** -0.5`` by default.
         mask_builder: a callable with no arguments returning what ``qkv_layouts`` takes.
@@ -1510,9 +1529,12 @@ def blocksparse_attention(
         scale=scale, soft_cap=cap, fwd=fwd, dkv=dkv, dq=dq,
         causal=bool(rule is not None and rule.causal), window=None if rule is None else rule.window,
         has_segments=rule is not None and rule.q_segment_ids is not None,
+        has_positions=rule is not None and not (rule.q_positions is None
+                                                and rule.kv_positions is None),
         has_token_mask=rule is not None and rule.attention_mask is not None,
-        clause2=None if other is None else (rule.op, other.causal, other.window,
-                                            other.q_segment_ids is not None),
+        clause2=None if other is None else (
+            rule.op, other.causal, other.window, other.q_segment_ids is not None,
+            not (other.q_positions is None and other.kv_positions is None)),
     )
     return _run(static, spec.layout_block, spec.combine, query, key, value, softmax_aux, bias, rule,
                 spec.layout, spec.prebuilt, spec.extra)

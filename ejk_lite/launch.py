@@ -124,7 +124,10 @@ def triton_call(
         )
         outs = jax.tree_util.tree_leaves(outs)
     else:
-        outs = _interpret(args, kernel, out_leaves, resolved_grid, metaparams, aliases)
+        # (num_warps and num_stages mean nothing to the interpreter; tools/compile_check.py
+        # records them here, to compile each launch as a GPU would)
+        outs = _interpret(args, kernel, out_leaves, resolved_grid, metaparams, aliases,
+                          dict(num_warps=num_warps, num_stages=num_stages))
     # Under shard_map the outputs vary over the mesh axes the inputs vary over (a callback's
     # results would otherwise be typed as the same on every shard).
     outs = vary_like(outs, *[a for a in args if hasattr(a, "shape")])
@@ -319,7 +322,7 @@ class _HostTensor:
 _INTERPRETER_LOCK = threading.Lock()
 
 
-def _interpret(args, kernel, out_leaves, grid, metaparams, aliases):
+def _interpret(args, kernel, out_leaves, grid, metaparams, aliases, options=None):
     fn, metaparams = _first_config(kernel, metaparams)
     array_positions = [i for i, a in enumerate(args) if not isinstance(a, (int, float, bool))]
     arrays = [args[i] for i in array_positions]

@@ -37,3 +37,34 @@ for dtype in ["float32", "bfloat16"]:
     jax.grad(lambda x: mean_pooling(x, impl="triton").astype(jnp.float32).sum())(x)
     jax.grad(lambda q: recurrent(q, k.astype(dtype), v.astype(dtype), g=gates["g"],
                                  impl="triton")[0].astype(jnp.float32).sum())(x)
+
+# blocksparse_attention at its default tiles (those of a real call; the unit tests use small
+# ones), over the features that change its kernels' constants: dtypes, head dims, lengths that
+# are and are not multiples of the tiles, the token rule's clauses and where positions come from
+# (given: loaded; else the indices), bias, soft cap, sinks, grouped heads.
+from ejk_lite import blocksparse_attention, make_block_mask  # noqa: E402
+
+B, H, H_KV = 1, 2, 1
+for dtype, D, T in [("bfloat16", 128, 200), ("bfloat16", 128, 256), ("float16", 128, 200),
+                    ("float32", 128, 200), ("bfloat16", 64, 200), ("bfloat16", 96, 200),
+                    ("float32", 64, 200)]:
+    q = f32(B, H, T, D).astype(dtype)
+    k, v = f32(B, H_KV, T, D).astype(dtype), f32(B, H_KV, T, D).astype(dtype)
+    seg = jnp.asarray(np.repeat([[0, 1, 2]], [70, 60, T - 130], axis=1), jnp.int32)
+    pos = jnp.arange(T, dtype=jnp.int32)[None]
+    prebuilt = make_block_mask(T, T, q_segment_ids=seg, kv_segment_ids=seg, causal=True)
+    features = [dict(), dict(causal=False), dict(sliding_window=(64, 0)),
+                dict(q_segment_ids=seg, kv_segment_ids=seg),
+                dict(q_positions=pos, kv_positions=pos, sliding_window=(64, 8)),
+                dict(bias=f32(1, H, T, T)), dict(logits_soft_cap=20.0),
+                dict(softmax_aux=f32(H)), dict(attention_mask=jnp.asarray(f32(1, 1, T, T) > 0)),
+                dict(qkv_layouts=prebuilt, causal=False),
+                dict(qkv_layouts=prebuilt, causal=False, sliding_window=(64, 0))]
+    if dtype != "bfloat16" or T != 200:  # the rest: one clause, no extras
+        features = features[:2]
+    for kw in features:
+        def loss(q, k, v, kw=kw):
+            o = blocksparse_attention(q, k, v, **kw, impl="triton")
+            return o.astype(jnp.float32).sum()
+
+        jax.grad(loss, argnums=(0, 1, 2))(q, k, v)

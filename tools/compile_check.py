@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import importlib
 import json
 import os
 import subprocess
@@ -59,17 +60,25 @@ def _arg_type(a):
     return ["*" + str(_np.dtype(a.dtype)), None]
 
 
-def _recording_interpret(args, kernel, out_leaves, grid, metaparams, aliases):
+def _recording_interpret(args, kernel, out_leaves, grid, metaparams, aliases, options=None):
     fn, meta = _launch._first_config(kernel, metaparams)
     raw = fn
     while hasattr(raw, "fn"):
         raw = raw.fn
     jsonable = {k: v for k, v in meta.items() if isinstance(v, (bool, int, float, str))}
+    if hasattr(kernel, "configs"):  # autotuned: the first config's, as the interpreter runs
+        options = dict(num_warps=kernel.configs[0].num_warps,
+                       num_stages=kernel.configs[0].num_stages)
+    jsonable.update({k: v for k, v in (options or {}).items() if v is not None})  # warps, stages
+    for k, v in meta.items():  # a NamedTuple of constants (attention's LOGITS, RULE, SHAPE)
+        if isinstance(v, tuple) and hasattr(v, "_fields"):
+            jsonable[k] = {"namedtuple": [type(v).__module__, type(v).__qualname__],
+                           "values": list(v)}
     _RECORDS.append(dict(name=raw.__name__, module=raw.__module__,
                          args=[_arg_type(a) for a in args],
                          outs=["*" + str(_np.dtype(s.dtype)) for s in out_leaves],
                          meta=jsonable, skipped_meta=sorted(set(meta) - set(jsonable))))
-    return _interpret(args, kernel, out_leaves, grid, metaparams, aliases)
+    return _interpret(args, kernel, out_leaves, grid, metaparams, aliases, options)
 
 
 _launch._interpret = _recording_interpret
@@ -133,7 +142,12 @@ def notebook_kernels(notebook: Path, folder: Path) -> dict:
     return vars(module)
 
 
-def compile_launch(fn, launch: dict, arch: int) -> None:
+# Shared memory a block may use, in bytes (CUDA's sharedMemPerBlockOptin): A100, H100/H200.
+SHARED_MEMORY = {80: 166912, 90: 232448}
+
+
+def compile_launch(fn, launch: dict, arch: int) -> int:
+    """Compile one recorded launch for ``arch``; its shared memory in bytes."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -152,9 +166,20 @@ def compile_launch(fn, launch: dict, arch: int) -> None:
     for name in names[len(types):]:
         signature[name] = "constexpr"
         if name in launch["meta"]:
-            constexprs[name] = launch["meta"][name]
-    triton.compile(ASTSource(fn=jit_fn, signature=signature, constexprs=constexprs),
-                   target=GPUTarget("cuda", arch, 32))
+            value = launch["meta"][name]
+            if isinstance(value, dict) and "namedtuple" in value:  # rebuilt from the recorder's
+                module, qualname = value["namedtuple"]
+                value = getattr(importlib.import_module(module), qualname)(*value["values"])
+            constexprs[name] = value
+    options = {k: launch["meta"][k] for k in ("num_warps", "num_stages") if k in launch["meta"]}
+    kernel = triton.compile(ASTSource(fn=jit_fn, signature=signature, constexprs=constexprs),
+                            target=GPUTarget("cuda", arch, 32), options=options)
+    # The driver refuses a launch that asks for more shared memory than a block may have; the
+    # compiler does not check it (num_stages multiplies the buffers of every pipelined load).
+    if kernel.metadata.shared > SHARED_MEMORY[arch]:
+        raise RuntimeError(f"out of resources: shared memory {kernel.metadata.shared} bytes, "
+                           f"sm_{arch} allows {SHARED_MEMORY[arch]}")
+    return kernel.metadata.shared
 
 
 def check(notebook: Path, archs: list[int], timeout: int) -> int:
@@ -199,8 +224,6 @@ def record_script(script: Path) -> list[dict]:
 
 def check_package(script: Path, archs: list[int]) -> int:
     launches = record_script(script)
-    import importlib
-
     import jax
 
     # ejk_lite settles the interpreter at import by asking JAX for a GPU: say there is one, so
