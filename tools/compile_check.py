@@ -22,7 +22,11 @@ those on the GPU). Exit status 1 if any launch fails to compile.
 interpreter, with the recorder; this process then imports ``ejk_lite`` in compiled mode (JAX is
 told it has a GPU, so ``ejk_lite`` leaves ``TRITON_INTERPRET`` alone) and compiles every
 recorded launch. It found, without a GPU, both compile failures of ``chunked_recurrent``'s
-first GPU check (a ``tl.cumsum`` the scan lowering rejects; a shape built from a tuple)::
+first GPU check (a ``tl.cumsum`` the scan lowering rejects; a shape built from a tuple).
+Each launch is compiled with its own ``num_warps`` and ``num_stages``, and a kernel that asks for
+more shared memory than the architecture gives a block fails too: the compiler lets it through,
+the driver refuses it at launch. (With Triton's default three stages in place of its two, the
+float32 attention forward asks for 262144 bytes, past sm_90's 232448: the check reports it.)::
 
     python tools/compile_check.py --package [tools/compile_calls.py] [--arch 90]
 """
