@@ -14,10 +14,9 @@ A variant is NAME=JSON, the JSON's keys all optional: "fwd", "dkv", "dq", each
 [block_q, block_kv, num_warps, num_stages] (default BlockSizes.forward / .backward); "call":
 "mask" (default: a BlockMask built at the variant's forward tiles outside the timed call,
 positions or segment ids as jit arguments, causal=False in the call; the backward rebuilds it at
-its tiles inside the call), "kept" (the same mask keeping the backward's tiles, BlockMask.keeping,
-as bench/attention.py timed it until the race's mask had no positions: nothing is built in the
-call), "closed" (the same without positions for causal and window: the kernels compare indices,
-as bench/attention.py's race now does) or "rule"
+its tiles inside the call), "kept" (the same mask keeping the backward's tiles, BlockMask.keeping:
+nothing is built in the call), "closed" (kept, and causal and window masks without positions: the
+kernels take a token's index for its position, as bench/attention.py's race does) or "rule"
 (no mask: causal=True, sliding_window, segment ids given to the call, positions left to arange:
 the default call, which today builds its masks inside the call).
 """
