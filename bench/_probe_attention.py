@@ -58,7 +58,8 @@ def functions(mask, T, fwd, bwd, call, seg):
     """(forward(qkv), forward+backward(qkv, d_o)) of one variant on one mask."""
     if call in ("mask", "kept", "closed"):
         keep = tuple(sorted({(b.block_q, b.block_kv) for b in bwd})) if call != "mask" else ()
-        build = bench.build_fn(mask, T, fwd.block_q, fwd.block_kv, keep, call != "closed")
+        build = bench.build_fn(mask, T, fwd.block_q, fwd.block_kv, keep,
+                               positions=call != "closed")
         built = jax.block_until_ready(build(bench.build_arg(mask, seg, T)))
 
         def attend(qkv, extra):

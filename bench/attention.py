@@ -357,7 +357,8 @@ def race(run: Run, shape: dict, mask: Mask, inputs, seg_np: np.ndarray, cfg: dic
         build = build_fn(mask, T, fwd_blocks.block_q, fwd_blocks.block_kv, keep)
         ids = build_arg(mask, jnp.asarray(seg_np), T)
         ours_mask = jax.block_until_ready(build_fn(mask, T, fwd_blocks.block_q,
-                                                   fwd_blocks.block_kv, keep, False)(ids))
+                                                   fwd_blocks.block_kv, keep,
+                                                   positions=False)(ids))
         build_stats = time_stats_ms(lambda: build(ids), samples)
         build_rows.append(dict(name=name, what=f"make_block_mask under jit, {mask.label}, "
                                               "keeping the backward's block sizes",
@@ -457,7 +458,7 @@ def sweep(run: Run, shape: dict, qkv, cfg: dict, samples: int) -> list[dict]:
         mask = (Mask("causal", "causal", None, False) if w is None
                 else Mask(f"window{w}", f"causal + window (left {w}, right 0)", (w, 0), False))
         try:
-            build = build_fn(mask, T, fwd_blocks.block_q, fwd_blocks.block_kv, (), False)
+            build = build_fn(mask, T, fwd_blocks.block_q, fwd_blocks.block_kv, positions=False)
             ours_mask = jax.block_until_ready(build(build_arg(mask, None, T)))  # as the race's
             blocks = count_blocks(mask, None, B, T, count_block, count_block) * H
             blocks_fwd = count_blocks(mask, None, B, T, fwd_blocks.block_q,
