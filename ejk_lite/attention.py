@@ -171,9 +171,10 @@ class _Rule(NamedTuple):
     HAS_SEGMENTS2: bool
     IS_CAUSAL2: bool
     HAS_WINDOW2: bool
-    # Positions given (loaded in every partial tile), or not: a token's position is then its
-    # index, computed. H200, bf16 B4 H16 T8192 D128, 8 documents + causal, forward 0.873 ->
-    # 0.824 ms, forward + backward 2.924 -> 2.831 (bench/_probe_attention.py, two runs).
+    # A clause reads positions that were given (TokenRule.loads_positions): they are loaded
+    # in every partial tile; otherwise a token's position is its index, computed. H200, bf16
+    # B4 H16 T8192 D128, 8 documents + causal, forward 0.873 -> 0.824 ms, forward + backward
+    # 2.924 -> 2.831 (bench/_probe_attention.py, two runs).
     HAS_POSITIONS: bool
     HAS_POSITIONS2: bool
 
@@ -408,8 +409,7 @@ def _visible(offs_m, offs_n, q_seg, q_pos, rule, T, S, MASKED: tl.constexpr,
         if RULE.CLAUSE2 != 0:  # the second clause's ids: four arrays further
             ids2_base = ids_base + 4 * stride_kind
             q_seg2, q_pos2 = _q_ids(ids2_base, stride_kind, offs_m, T, RULE.HAS_SEGMENTS2,
-                                    (RULE.IS_CAUSAL2 or RULE.HAS_WINDOW2) and RULE.HAS_POSITIONS2,
-                                    EVEN_T)
+                                    RULE.HAS_POSITIONS2, EVEN_T)
             second = _clause(in_range, q_seg2, q_pos2, ids2_base, stride_kind, offs_n, in_kv,
                              window2_left, window2_right, RULE.HAS_SEGMENTS2, RULE.IS_CAUSAL2,
                              RULE.HAS_WINDOW2, RULE.HAS_POSITIONS2)
@@ -493,8 +493,7 @@ def _fwd_program(i_m, i_bh, tensors, rule, bias, lists, sizes, LOGITS: tl.conste
     tile_rule, tile_bias = _head(rule, bias, i_b, i_h)
     ids_base, stride_kind = tile_rule[0], tile_rule[1]
     q_seg, q_pos = _q_ids(ids_base, stride_kind, offs_m, T, RULE.HAS_SEGMENTS,
-                          (RULE.IS_CAUSAL or RULE.HAS_WINDOW) and RULE.HAS_POSITIONS,
-                          SHAPE.EVEN_T)
+                          RULE.HAS_POSITIONS, SHAPE.EVEN_T)
 
     # the sink is the first "logit" of every row: m = sink, l = exp2(sink - m) = 1
     if HAS_SINKS:
@@ -654,7 +653,7 @@ def _dkv_tiles(dk, dv, k, v, offs_n, list_ptr, count, n_blocks, i_bh64, q_side, 
         offs_m = qb * SHAPE.BQ + tl.arange(0, SHAPE.BQ)
         q, do, lse, delta, q_seg, q_pos = _bwd_q_side(
             q_ptr, do_ptr, lse_ptr, delta_ptr, ids_base, stride_kind, i_bh64, offs_m, T, SHAPE,
-            RULE.HAS_SEGMENTS, (RULE.IS_CAUSAL or RULE.HAS_WINDOW) and RULE.HAS_POSITIONS)
+            RULE.HAS_SEGMENTS, RULE.HAS_POSITIONS)
         p, _, ds = _bwd_tile(q, k, v, do, lse, delta, offs_m, offs_n, q_seg, q_pos, rule, bias,
                              T, S, LOGITS, RULE, MASKED, SHAPE.EVEN_T, SHAPE.EVEN_S, SAFE)
         dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=LOGITS.DOT_PRECISION)
@@ -802,7 +801,7 @@ def _dq_program(i_m, i_bh, tensors, rule, bias, lists, sizes, LOGITS: tl.constex
     tile_rule, tile_bias = _head(rule, bias, i_b, i_h)
     q, do, lse, delta, q_seg, q_pos = _bwd_q_side(
         q_ptr, do_ptr, lse_ptr, delta_ptr, tile_rule[0], tile_rule[1], i_bh64, offs_m, T,
-        SHAPE, RULE.HAS_SEGMENTS, (RULE.IS_CAUSAL or RULE.HAS_WINDOW) and RULE.HAS_POSITIONS)
+        SHAPE, RULE.HAS_SEGMENTS, RULE.HAS_POSITIONS)
     k_base = k_ptr + i_kvh64 * S * D
     v_base = v_ptr + i_kvh64 * S * SHAPE.DV
     dbias_base = dbias_ptr + i_bh64 * T * S
@@ -1529,12 +1528,11 @@ def blocksparse_attention(
         scale=scale, soft_cap=cap, fwd=fwd, dkv=dkv, dq=dq,
         causal=bool(rule is not None and rule.causal), window=None if rule is None else rule.window,
         has_segments=rule is not None and rule.q_segment_ids is not None,
-        has_positions=rule is not None and not (rule.q_positions is None
-                                                and rule.kv_positions is None),
+        has_positions=rule is not None and rule.loads_positions,
         has_token_mask=rule is not None and rule.attention_mask is not None,
         clause2=None if other is None else (
             rule.op, other.causal, other.window, other.q_segment_ids is not None,
-            not (other.q_positions is None and other.kv_positions is None)),
+            other.loads_positions),
     )
     return _run(static, spec.layout_block, spec.combine, query, key, value, softmax_aux, bias, rule,
                 spec.layout, spec.prebuilt, spec.extra)

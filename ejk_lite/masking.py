@@ -99,6 +99,13 @@ class TokenRule:
         return self.causal or self.window is not None
 
     @property
+    def loads_positions(self) -> bool:
+        """Whether this rule's own clause reads positions that were given: without them a
+        token's position is its index, which a kernel computes instead of loading."""
+        return self.uses_positions and not (self.q_positions is None
+                                            and self.kv_positions is None)
+
+    @property
     def own(self) -> TokenRule:
         """This rule's own clause, without ``other``."""
         return self if self.other is None else dataclasses.replace(self, other=None, op="and")
