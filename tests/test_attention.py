@@ -234,6 +234,26 @@ def test_backward_kernels_at_their_own_sizes(dtype, rng):
           bwd=(BlockSizes(16, 32), BlockSizes(32, 16)))
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("T, S", [(64, 64), (70, 90)])
+def test_partial_and_full_tiles_in_one_loop(T, S, dtype, rng):
+    """The forward walks a query block's partial and then its full tiles in one loop
+    (``_fwd_tiles``), the token rule under a branch. Long documents at 16 x 16 tiles, so that
+    rows hold tiles of both kinds (the test fails if full tiles are read from the wrong place);
+    GQA; lengths that are and are not multiples of the tiles; float32 (NaN containment in the
+    loop) and bfloat16 (the optimistic launch); every gradient."""
+    def ids(lengths):  # two batch rows of documents, the second's reversed
+        row = np.repeat(np.arange(len(lengths)), lengths)
+        return np.stack([row, row[-1] - row[::-1]]).astype(np.int32)
+
+    arrays = make_inputs(rng, B=2, T=T, S=S, H=4, H_kv=2, D=32)
+    options = dict(q_segment_ids=ids([1, 0, T - 17, 16]),
+                   kv_segment_ids=ids([1, 0, T - 17, S - T + 16]))
+    mask = make_block_mask(T, S, q_block=16, kv_block=16, **options)
+    assert int(mask.full_count.sum()) >= 10 and int(mask.partial_count.sum()) >= 10
+    check(rng, arrays, options, dtype, fwd=BlockSizes(16, 16))
+
+
 @pytest.mark.parametrize("sinks", [False, True])
 def test_fully_masked_rows(sinks, rng):
     """Rows with no visible key: output exactly 0, gradients finite and 0 for those rows."""
