@@ -250,6 +250,9 @@ def check_package(script: Path, archs: list[int]) -> int:
                 compiled += 1
             except Exception as error:  # noqa: BLE001 (report every failure, then go on)
                 failures += 1
+                # Triton nests a helper's error inside its caller's: report the innermost
+                while error.__cause__ is not None:
+                    error = error.__cause__
                 lines = [ln for ln in str(error).splitlines() if ln.strip()] or [repr(error)]
                 print(f"FAIL sm_{arch} {launch['module']}.{launch['name']} "
                       f"{json.dumps(launch['meta'], sort_keys=True)[:200]}:\n  "
