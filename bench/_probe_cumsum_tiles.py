@@ -1,0 +1,76 @@
+"""Probe (not a bench): ``chunk_global_cumsum`` on the vector case at pinned tiles, wide ones
+among them, against its autotuned pick and the copy ceiling.
+
+Why: issue 19 wants the vector cumsum at >= 85% of copy; bfloat16 stays behind, bound by the
+instructions of ``tl.cumsum``'s passing of partial sums between lanes and warps (the comment
+above ``_GLOBAL_TILES``). A tile many columns wide and few tokens long (``BLOCK_C`` = 256 x
+``num_warps``, eight 16-bit columns a lane) lets Triton lay each lane's columns along its own
+registers, so that the scan along the tokens needs no shuffle (the sm_90 PTX of
+``bench/_probe_cumsum_lookback.py``'s 16 x 1024 tile has none). Such tiles leave few walks
+(2048 columns a row, 4 rows: 8192 columns), so ``SPLIT`` shares each walk between programs.
+Each config is checked against float64 (the script fails on an error past the tolerance) and
+timed: device time, 10 samples, min / median / max.
+
+    python3 bench/_probe_cumsum_tiles.py            # GPU
+    python3 bench/_probe_cumsum_tiles.py --quick    # interpreter: small shapes, checked only
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import ejk_lite  # noqa: E402, F401  (first: settles the Triton backend)
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from common import copy_methods_gbs, relative_error, time_stats_ms, tolerance  # noqa: E402
+from ejk_lite import chunk_global_cumsum  # noqa: E402
+from ejk_lite.cumsum import CumsumConfig  # noqa: E402
+
+# (block_t, block_c, num_warps, num_stages, split)
+TILES = [(16, 1024, 4, 3, 1), (16, 1024, 4, 3, 8), (16, 512, 2, 3, 8), (32, 512, 2, 3, 8),
+         (16, 256, 1, 3, 8), (32, 256, 1, 3, 8), (32, 256, 1, 4, 16), (16, 2048, 8, 3, 8),
+         (64, 256, 1, 3, 4), (16, 512, 2, 4, 16)]
+QUICK_TILES = [(16, 32, 1, 3, 1), (16, 32, 1, 3, 4), (8, 64, 2, 2, 2)]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true")
+    args = p.parse_args()
+    shape = (2, 100, 3, 16) if args.quick else (4, 4096, 16, 128)
+    tiles = QUICK_TILES if args.quick else TILES
+    rng = np.random.default_rng(0)
+    copy = None if args.quick else max(copy_methods_gbs().values())
+    failures = []
+    for dtype in ("float32", "bfloat16"):
+        x = jnp.asarray(rng.standard_normal(shape), dtype)
+        expected = np.cumsum(np.asarray(x, np.float64), axis=1)
+        n_bytes = 2 * x.nbytes
+        fns = {"autotuned": jax.jit(lambda x: chunk_global_cumsum(x, impl="triton"))}
+        for t in tiles:
+            cfg = CumsumConfig(*t)
+            fns["{}x{} {}w {}st split {}".format(*t)] = jax.jit(
+                lambda x, cfg=cfg: chunk_global_cumsum(x, impl="triton", config=cfg))
+        for name, fn in fns.items():
+            err = relative_error(fn(x), expected)
+            ok = err <= tolerance(dtype)
+            if not ok:
+                failures.append(f"{dtype} {name}: relative error {err:.2e}")
+            line = f"{dtype:9} {name:26} rel err {err:.1e}{'' if ok else ' FAILED'}"
+            if copy is not None:
+                st = time_stats_ms(lambda: fn(x), 10)
+                gbs = n_bytes / st["median_ms"] / 1e6
+                line += (f"  {st['median_ms']:.4f} ms ({st['min_ms']:.4f}-{st['max_ms']:.4f})"
+                         f"  {gbs:6.0f} GB/s  {100 * gbs / copy:5.1f}% of copy {copy:.0f}")
+            print(line, flush=True)
+    if failures:
+        sys.exit("failed: " + "; ".join(failures))
+
+
+if __name__ == "__main__":
+    main()
