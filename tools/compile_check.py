@@ -7,7 +7,8 @@ and stops the compile on a GPU. This script closes that gap without a GPU:
 1. it executes the notebook (through nbclient, as nbmake does) with a recorder in front of
    ``ejk_lite``'s interpreter path, which notes each launch: kernel, argument types *as
    jax-triton would pass them* (a Python ``float`` becomes ``fp64``, an ``int`` ``i32``, an
-   ``int`` equal to 1 a constant, arrays pointers to their dtype) and compile-time constants;
+   ``int`` equal to 1 a constant, arrays pointers to their dtype, 16-byte aligned) and
+   compile-time constants;
 2. it re-defines the notebook's ``@triton.jit`` functions in this process, where Triton is in
    compiled mode, and compiles each recorded launch to a cubin for the given architectures
    (Triton ships its own ptxas; no driver is needed).
@@ -150,6 +151,14 @@ def notebook_kernels(notebook: Path, folder: Path) -> dict:
 SHARED_MEMORY = {80: 166912, 90: 232448}
 
 
+def _error_lines(error: Exception) -> list[str]:
+    """The non-empty lines of a failed compile's innermost error: Triton nests a helper's
+    error inside its caller's, whose own lines show only the call site."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    return [ln for ln in str(error).splitlines() if ln.strip()] or [repr(error)]
+
+
 def compile_launch(fn, launch: dict, arch: int) -> int:
     """Compile one recorded launch for ``arch``; its shared memory in bytes."""
     import triton
@@ -212,8 +221,7 @@ def check(notebook: Path, archs: list[int], timeout: int) -> int:
                 compiled += 1
             except Exception as error:  # noqa: BLE001 (report every failure, then go on)
                 failures += 1
-                lines = [ln for ln in str(error).splitlines() if ln.strip()] or [repr(error)]
-                message = lines[-1][-300:]
+                message = _error_lines(error)[-1][-300:]
                 args = ", ".join(t for t, _ in launch["args"])
                 print(f"FAIL sm_{arch} {launch['name']}({args}): {message}")
     print(f"{notebook}: {len(seen)} distinct launches, {compiled} compiles ok, {failures} failed; "
@@ -256,10 +264,7 @@ def check_package(script: Path, archs: list[int]) -> int:
                 compiled += 1
             except Exception as error:  # noqa: BLE001 (report every failure, then go on)
                 failures += 1
-                # Triton nests a helper's error inside its caller's: report the innermost
-                while error.__cause__ is not None:
-                    error = error.__cause__
-                lines = [ln for ln in str(error).splitlines() if ln.strip()] or [repr(error)]
+                lines = _error_lines(error)
                 print(f"FAIL sm_{arch} {launch['module']}.{launch['name']} "
                       f"{json.dumps(launch['meta'], sort_keys=True)[:200]}:\n  "
                       + "\n  ".join(lines[-8:])[-1500:])
