@@ -94,9 +94,12 @@ class BlockSizes:
             object.__setattr__(self, field.name, value)
 
     @staticmethod
-    def forward(head_dim: int, dtype: Any = jnp.bfloat16) -> BlockSizes:
+    def forward(head_dim: int, dtype: Any = jnp.bfloat16, pair_tiles: bool = False
+                ) -> BlockSizes:
         """Defaults measured on an H100 (bench/attention.py); float32 tiles are twice the bytes, so
-        smaller (at 128 x 64 with three stages they overflow shared memory)."""
+        smaller (at 128 x 64 with three stages they overflow shared memory). ``pair_tiles``: the
+        kernel also loads a tile per (query, key) pair of a block, a ``bias`` or a dense
+        ``attention_mask``: a third buffer in every pipeline stage."""
         if jnp.dtype(dtype).itemsize >= 4:
             return (BlockSizes(64, 64, num_warps=4, num_stages=2) if head_dim <= 128
                     else BlockSizes(32, 32, 4, 1))
@@ -108,7 +111,10 @@ class BlockSizes:
             # median of 3 round medians): causal 2.631 -> 2.561 ms, window 0.842 -> 0.819,
             # documents 0.873 -> 0.858; 128 x 64 with 8 warps and 3 stages (FlexAttention's
             # forward tiles) 3.050, 0.937, 0.928; with 4 warps 2.551, 0.832, 0.890.
-            return BlockSizes(128, 128, num_warps=8, num_stages=3)
+            # With a bias or a dense mask, two: at three, sm_90's shared memory (232448 bytes a
+            # block) is overflowed, 360448 bytes with a float32 bias and 262144 with a mask
+            # (tools/compile_check.py, compiled as jax-triton compiles: 16-byte aligned arrays).
+            return BlockSizes(128, 128, num_warps=8, num_stages=2 if pair_tiles else 3)
         return BlockSizes(64, 64, num_warps=4, num_stages=2)
 
     @staticmethod
@@ -1524,13 +1530,15 @@ def blocksparse_attention(
                          f"got {bwd_blocks!r}")
     D = query.shape[-1] if hasattr(query, "shape") and len(query.shape) == 4 else 0
     dtype = getattr(query, "dtype", jnp.float32)
-    fwd = fwd_blocks or BlockSizes.forward(D, dtype)
     dkv, dq = _pair(bwd_blocks or BlockSizes.backward(D, dtype))
     default_block = (128, 128)
     spec, scale, bias, cap = _prepare(query, key, value, q_segment_ids, kv_segment_ids, q_positions,
                                       kv_positions, softmax_aux, bias, attention_mask,
                                       logits_soft_cap, qkv_layouts, softmax_scale, mask_builder,
                                       sliding_window, chunk_size, causal, default_block)
+    pair_tiles = bias is not None or (spec.rule is not None
+                                      and spec.rule.attention_mask is not None)
+    fwd = fwd_blocks or BlockSizes.forward(D, dtype, pair_tiles)
     fwd, dkv, dq = _fit(fwd, spec), _fit(dkv, spec), _fit(dq, spec)
     for blocks in (fwd, dkv, dq):
         power_of_two(blocks.block_q, "block_q")

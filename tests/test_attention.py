@@ -12,6 +12,11 @@ denominator, soft cap before bias, rows with nothing visible) cannot pass unnoti
 import dataclasses
 import functools
 import importlib
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.extend.core
@@ -20,6 +25,7 @@ import numpy as np
 import pytest
 from conftest import TOLERANCE, rel_err, tolerance
 
+import ejk_lite
 from ejk_lite import BlockMask, blocksparse_attention, make_block_mask
 from ejk_lite.attention import BlockSizes, reference
 
@@ -252,6 +258,25 @@ def test_partial_and_full_tiles_in_one_loop(T, S, dtype, rng):
     mask = make_block_mask(T, S, q_block=16, kv_block=16, **options)
     assert int(mask.full_count.sum()) >= 10 and int(mask.partial_count.sum()) >= 10
     check(rng, arrays, options, dtype, fwd=BlockSizes(16, 16))
+
+
+@pytest.mark.skipif(ejk_lite.ON_GPU, reason="on a GPU the kernels are not interpreted, so "
+                    "nothing is recorded to compile (the other tests launch them for real)")
+def test_default_tiles_fit_shared_memory():
+    """The default tiles compile for sm_90 within its shared memory (232448 bytes a block), with
+    a bias and with a dense attention_mask, each a tile per pair in every pipeline stage. The
+    GPU check cannot see this (its tests take small tiles) and a launch past it fails in the
+    driver. Compiled as jax-triton compiles (``tools/compile_check.py``), offline: no GPU."""
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # it must compile
+    done = subprocess.run([sys.executable, str(root / "tools" / "compile_check.py"), "--package",
+                           str(root / "tests" / "shared_memory_child.py"), "--arch", "90"],
+                          capture_output=True, text=True, cwd=root, env=env, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # forward, dK/dV and dQ, each with a bias and with a mask: nothing skipped, nothing failed
+    found = re.search(r"(\d+) distinct package launches, (\d+) compiles ok, (\d+) failed",
+                      done.stdout)
+    assert found and int(found[2]) >= 6 and found[3] == "0", done.stdout[-3000:]
 
 
 @pytest.mark.parametrize("sinks", [False, True])
