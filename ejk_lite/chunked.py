@@ -1704,10 +1704,10 @@ def _run_states(static, num_heads, k, v, gamma, h0, cu, chunk_offsets, per_row, 
     value_dim = v.shape[3]
     num_seqs = batch * per_row
     if plan is None:
-        kernel_config = static.config.states
+        kernel_config, name = static.config.states, "config.states"
         (block_k, block_v), segments, segment = _fit(kernel_config, key_dim, value_dim), 1, _WHOLE_WALK
     else:
-        kernel_config = static.config.states_alone
+        kernel_config, name = static.config.states_alone, "config.states_alone"
         block_k, block_v, segments, segment = plan
     return triton_call(
         k, v, _or_stand_in(to_end), _or_stand_in(gamma), _or_stand_in(h0), cu, chunk_offsets, seq_len, slots,
@@ -1716,7 +1716,7 @@ def _run_states(static, num_heads, k, v, gamma, h0, cu, chunk_offsets, per_row, 
         out_shape=[jax.ShapeDtypeStruct((batch * slots, num_heads, key_dim, value_dim), state_dtype),
                    jax.ShapeDtypeStruct((num_seqs * segments, num_heads, key_dim, value_dim), jnp.float32)],
         grid=(cdiv(value_dim, block_v), cdiv(key_dim, block_k), num_seqs * num_heads * segments),
-        num_warps=kernel_config.num_warps, num_stages=kernel_config.num_stages,
+        num_warps=kernel_config.num_warps, num_stages=kernel_config.num_stages, config_argument=name,
         H=num_heads, H_KV=num_kv_heads, K=key_dim, V=value_dim, BT=static.chunk_size, BK=block_k, BV=block_v,
         USE_G=flags["USE_G"], DECAY_ROWS=to_end is not None, HAS_H0=h0 is not None, REVERSE=static.reverse,
         IS_VARLEN=flags["IS_VARLEN"], F32_DOT=_dot_precision(k.dtype, static.config), S=segments,
@@ -1749,6 +1749,7 @@ def _forward_launch(static, query, key, value, a, h0, cu_seqlens):
     block_k, _ = _fit(cfg.attention, key_dim, value_dim)
     attention = dict(H=num_heads, H_KV=num_kv_heads, K=key_dim, SCALE=static.scale, BT=bt, BK=block_k,
                      REVERSE=static.reverse, IS_VARLEN=flags["IS_VARLEN"], F32_DOT=precision,
+                     config_argument="config.attention",
                      num_warps=cfg.attention.num_warps, num_stages=cfg.attention.num_stages)
     A_shape = jax.ShapeDtypeStruct((batch, seq_len, num_heads, bt), _scores_dtype(query.dtype, a))
     if flags["USE_G"]:
@@ -1768,7 +1769,7 @@ def _forward_launch(static, query, key, value, a, h0, cu_seqlens):
                                jax.ShapeDtypeStruct((batch * slots, num_heads), jnp.int32)],
                     grid=(slots, batch * num_heads), FAST_DECAY=cfg.fast_decay,
                     **{**attention, "BK": block_k, "num_warps": cfg.fast.num_warps,
-                       "num_stages": cfg.fast.num_stages},
+                       "num_stages": cfg.fast.num_stages, "config_argument": "config.fast"},
                 )
                 *outs, fast = outs
             else:  # stand-ins, never read
@@ -1787,6 +1788,7 @@ def _forward_launch(static, query, key, value, a, h0, cu_seqlens):
                 query, key, a, cu, chunk_indices, seq_len, slots, per_row, fast, A,
                 kernel=_gk_diagonal_kernel, out_shape=A_shape, grid=(slots * (bt // sub), batch * num_heads),
                 input_output_aliases={6: 0},
+                config_argument="config.diagonal",
                 num_warps=cfg.diagonal.num_warps, num_stages=cfg.diagonal.num_stages,
                 H=num_heads, H_KV=num_kv_heads, K=key_dim, SCALE=static.scale, BT=bt, BC=sub, BK=block_k,
                 UNROLL=min(cfg.diagonal.unroll, sub), USE_FAST=use_fast, REVERSE=static.reverse,
@@ -1819,6 +1821,7 @@ def _forward_launch(static, query, key, value, a, h0, cu_seqlens):
         kernel=_output_kernel,
         out_shape=jax.ShapeDtypeStruct((batch, seq_len, num_heads, value_dim), query.dtype),
         grid=(cdiv(value_dim, block_v), slots, batch * num_heads),
+        config_argument="config.output",
         num_warps=cfg.output.num_warps, num_stages=cfg.output.num_stages,
         H=num_heads, H_KV=num_kv_heads, K=key_dim, V=value_dim, SCALE=static.scale, BT=bt, BK=block_k,
         BV=block_v, REVERSE=static.reverse, IS_VARLEN=flags["IS_VARLEN"], F32_DOT=precision,
@@ -1860,6 +1863,7 @@ def _forward_alone_launch(static, query, key, value, a, h0, cu_seqlens):
             grid=(cdiv(value_dim, block_v), cdiv(key_dim, block_k), batch * num_heads),
             H=num_heads, K=key_dim, V=value_dim, BT=static.chunk_size, BK=block_k, BV=block_v, S=segments,
             SEGMENT=segment, USE_G=flags["USE_G"], REVERSE=static.reverse,
+            config_argument="config.states_alone",  # its tiles are the walk's
         )
     block_k, block_v = _fit(cfg.fused_output, key_dim, value_dim)
     o = triton_call(
@@ -1868,6 +1872,7 @@ def _forward_alone_launch(static, query, key, value, a, h0, cu_seqlens):
         kernel=_fused_output_kernel,
         out_shape=jax.ShapeDtypeStruct((batch, seq_len, num_heads, value_dim), query.dtype),
         grid=(cdiv(value_dim, block_v), slots, batch * num_heads),
+        config_argument="config.fused_output",
         num_warps=cfg.fused_output.num_warps, num_stages=cfg.fused_output.num_stages,
         H=num_heads, H_KV=num_kv_heads, K=key_dim, V=value_dim, SCALE=static.scale, BT=static.chunk_size,
         BK=block_k, BV=block_v, USE_G=flags["USE_G"], REVERSE=static.reverse, IS_VARLEN=flags["IS_VARLEN"],
@@ -1924,6 +1929,7 @@ def _backward_launch(static, query, key, value, a, h0, cu_seqlens, A, d_o, d_fin
                    jax.ShapeDtypeStruct((num_seqs, num_heads, key_dim, value_dim) if h0 is not None else (1,),
                                         f32)],
         grid=(cdiv(value_dim, block_v), cdiv(key_dim, block_k), num_seqs * num_heads),
+        config_argument="config.state_grads",
         num_warps=cfg.state_grads.num_warps, num_stages=cfg.state_grads.num_stages,
         V=value_dim, SCALE=static.scale, BK=block_k, BV=block_v, HAS_DHT=d_final_state is not None,
         HAS_H0=h0 is not None, **gated, **common,
@@ -1937,6 +1943,7 @@ def _backward_launch(static, query, key, value, a, h0, cu_seqlens, A, d_o, d_fin
         out_shape=[per_token(bt),
                    jax.ShapeDtypeStruct((batch, seq_len, num_heads) if scalar_gate else (1,), f32)],
         grid=(slots, batch * num_heads),
+        config_argument="config.dA",
         num_warps=cfg.dA.num_warps, num_stages=cfg.dA.num_stages,
         H=num_heads, H_KV=num_kv_heads, V=value_dim, BT=bt, BV=block_v, SCALAR_GATE=scalar_gate,
         REVERSE=static.reverse, IS_VARLEN=flags["IS_VARLEN"], F32_DOT=precision,
@@ -1951,6 +1958,7 @@ def _backward_launch(static, query, key, value, a, h0, cu_seqlens, A, d_o, d_fin
                 query, key, a, dA, cu, chunk_indices, seq_len, slots, per_row, fast,
                 kernel=_gk_fast_grads_kernel, out_shape=[per_token(key_dim)] * 3,
                 grid=(cdiv(key_dim, block_k), slots, batch * num_heads),
+                config_argument="config.fast_grads",
                 num_warps=cfg.fast_grads.num_warps, num_stages=cfg.fast_grads.num_stages,
                 H_KV=num_kv_heads, SCALE=static.scale, BK=block_k, **common,
             )
@@ -1964,6 +1972,7 @@ def _backward_launch(static, query, key, value, a, h0, cu_seqlens, A, d_o, d_fin
             out_shape=[per_token(key_dim)] * 3,
             input_output_aliases={7: 0, 8: 1, 9: 2} if use_fast else None,
             grid=(cdiv(key_dim, block_k), slots, batch * num_heads),
+            config_argument="config.intra_grads",
             num_warps=cfg.intra_grads.num_warps, num_stages=cfg.intra_grads.num_stages,
             H_KV=num_kv_heads, SCALE=static.scale, BC=sub, BK=block_k,
             UNROLL=min(cfg.intra_grads.unroll, sub), USE_FAST=use_fast, **common,
@@ -1977,6 +1986,7 @@ def _backward_launch(static, query, key, value, a, h0, cu_seqlens, A, d_o, d_fin
         kernel=_dv_kernel,
         out_shape=per_token(value_dim, grads_dtype),
         grid=(cdiv(value_dim, block_v), slots, batch * num_heads),
+        config_argument="config.dv",
         num_warps=cfg.dv.num_warps, num_stages=cfg.dv.num_stages,
         H_KV=num_kv_heads, V=value_dim, BK=block_k, BV=block_v, **gated, **common,
     )
@@ -1997,6 +2007,7 @@ def _backward_launch(static, query, key, value, a, h0, cu_seqlens, A, d_o, d_fin
         out_shape=[per_token(key_dim, query.dtype), per_token(key_dim, grads_dtype),
                    jax.ShapeDtypeStruct(dg_shape, f32)],
         grid=(num_k_tiles, slots, batch * num_heads),
+        config_argument="config.inter_grads",
         num_warps=cfg.inter_grads.num_warps, num_stages=cfg.inter_grads.num_stages,
         H_KV=num_kv_heads, V=value_dim, SCALE=static.scale, BK=block_k, BV=block_v, USE_GK=use_gk, **gated,
         **common,

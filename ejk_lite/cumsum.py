@@ -209,13 +209,14 @@ def _scan_span(
 #
 # Two kinds of tile. Tall ones (a whole chunk of 64 tokens, few columns) spread the tokens over
 # the lanes of a warp and over warps, so tl.cumsum passes partial sums through shuffles and shared
-# memory: in the sm_90 SASS of a 64 x 32 bfloat16 tile each thread runs 504 instructions for its
-# 16 elements, 74 of them SHFL, 90 LDS/STS and 5 barriers: about 1 warp instruction per element,
+# memory: in the sm_90 SASS of a 64 x 32 bfloat16 tile (compiled as jax-triton compiles, arrays
+# 16-byte aligned: tools/compile_check.py) the loop runs 517 instructions a thread for its 16
+# elements, 74 of them SHFL, 90 LDS/STS and 5 barriers: about 1 warp instruction per element,
 # near all an SM can issue while streaming bfloat16 at the copy bandwidth (4 a clock, for some
 # 3.3 elements a clock at 1.75 GHz); float32 needs half the elements a second. Wide, short tiles
 # put a warp's lanes side by side along the columns, each lane 8 tokens x one 16-byte vector
 # (BLOCK_C = 32 lanes x 8 columns x warps in bfloat16): the scan stays in registers, no SHFL, and
-# an 8 x 1024 step costs 463 instructions a thread, 0.23 warp instructions per element; the chunk
+# an 8 x 1024 step costs 495 instructions a thread, 0.24 warp instructions per element; the chunk
 # is walked in steps of 8 tokens, pipelined. Narrow tiles suit few columns (scalar gates).
 _LOCAL_TILES = [  # (BLOCK_T, BLOCK_C, num_warps, NUM_STAGES)
     (64, 32, 4, 1),
@@ -366,15 +367,15 @@ def _local_autotuned(chunk_size: int):
 # float32.
 #
 # Why bfloat16 stays behind: the SMs' instruction issue, not the bytes in flight. In the sm_90
-# SASS of the loop (offline compile, triton 3.6) a 128 x 32 block costs 1015 instructions a warp
-# in bfloat16 and 963 in float32, 0.99 and 0.94 warp instructions per element (64 x 32: 1.06 and
-# 0.98), most of them tl.cumsum's passing of partial sums between lanes and warps (122 SHFL, 136
-# LDS, 41 STS, 330 FADD in the bfloat16 one). At the copy bandwidth bfloat16 streams twice the
-# elements a second that float32 does: 3032 GB/s over 4 bytes an element moved is 758 G
-# elements/s, about 0.82 of the 924 G warp instructions/s that 132 SMs can issue (4 a clock at
-# 1.755 GHz), against 0.41 for float32. At the recorded 65.6% (bfloat16) and 87.9% (float32) the
-# walks issue 0.54 and 0.36 of that peak: bfloat16 hits what about two 4-warp programs an SM
-# (256 walks) issue of this code first.
+# SASS of the loop (offline compile, triton 3.6, arrays 16-byte aligned as jax-triton takes them)
+# a 128 x 32 block costs 1015 instructions a warp in bfloat16 and 936 in float32, 0.99 and 0.91
+# warp instructions per element (64 x 32: 1.06 and 0.97), most of them tl.cumsum's passing of
+# partial sums between lanes and warps (122 SHFL, 136 LDS, 41 STS, 330 FADD in the bfloat16
+# one). At the copy bandwidth bfloat16 streams twice the elements a second that float32 does:
+# 3032 GB/s over 4 bytes an element moved is 758 G elements/s, so 750 G warp instructions/s,
+# 0.81 of the 924 G that 132 SMs can issue (4 a clock at 1.755 GHz), against 0.37 for float32.
+# At the recorded 65.6% (bfloat16) and 87.9% (float32) the walks issue 0.53 and 0.33 of that
+# peak: bfloat16 hits what about two 4-warp programs an SM (256 walks) issue of this code first.
 #
 # SPLIT > 1: SPLIT programs share one walk. Program p scans the p-th of SPLIT spans (counted in
 # the direction of the sum) and starts from the sum of the spans before it, which it adds up
@@ -587,7 +588,7 @@ def _launch_rows(x, cu_seqlens, *, chunk_size, reverse, scale, head_first, out_d
         REVERSE=bool(reverse), IS_VARLEN=varlen, TOKENS_CONTIGUOUS=tokens_contiguous,
     )
     pinned = {} if config is None else dict(BLOCK_C=config.block_c, num_warps=config.num_warps,
-                                            num_stages=config.num_stages)
+                                            num_stages=config.num_stages, config_argument="config")
     walks = N * cdiv(C, 32) * (num_seqs + 1 if varlen else 1)  # one-pass programs, 32 columns
     two_pass = (chunk_size is None and config is None and view.nbytes <= _TWO_PASS_MAX_BYTES
                 and walks <= _TWO_PASS_MAX_WALKS

@@ -39,6 +39,7 @@ a GPU.
 
 from __future__ import annotations
 
+import ctypes
 import importlib.abc
 import os
 import sys
@@ -84,6 +85,7 @@ def triton_call(
     num_warps: int | None = None,
     num_stages: int | None = None,
     input_output_aliases: dict[int, int] | None = None,
+    config_argument: str | None = None,
     **metaparams: Any,
 ) -> Any:
     """Launch ``kernel`` on ``grid`` and return the arrays described by ``out_shape``.
@@ -92,6 +94,9 @@ def triton_call(
     has the same structure. See the module docstring for the argument convention.
     ``input_output_aliases`` maps an input's index among the array arguments to an output's: the
     output starts as that input (jax-triton's convention; the kernel gets both pointers).
+    ``config_argument``: the op's argument that chose this launch's tiles (``"fwd_blocks"``),
+    named by the error raised where they ask for more shared memory than the GPU has (see
+    :func:`_check_shared_memory`).
     """
     aliases = dict(input_output_aliases or {})
     # A NumPy scalar (np.int64(8), what indexing a NumPy array gives) is a number, not an array:
@@ -117,7 +122,10 @@ def triton_call(
         return jax.tree_util.tree_unflatten(out_tree, outs)
 
     if not INTERPRETER:
-        outs = _import_jax_triton().triton_call(
+        jax_triton = _import_jax_triton()
+        if config_argument is not None and not isinstance(kernel, triton.runtime.Autotuner):
+            _CONFIG_ARGUMENTS[_launch_key(kernel, num_warps, num_stages, metaparams)] = config_argument
+        outs = jax_triton.triton_call(
             *args, kernel=kernel, out_shape=out_shape, grid=grid,
             num_warps=num_warps, num_stages=num_stages, input_output_aliases=aliases,
             **metaparams,
@@ -181,7 +189,96 @@ def _import_jax_triton():
         if not _specializer_started:  # also when the program imported jax-triton itself
             _specializer_started = True
             _start_specializer_without_torch()
+            _check_shared_memory_when_compiling(sys.modules["jax_triton"].triton_lib,
+                                                max_shared_memory())
     return sys.modules["jax_triton"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared memory, checked when a kernel is compiled.
+#
+# jax-triton compiles a kernel while XLA lowers the call, and hands the binary to XLA without
+# loading it; Triton's own loader, which refuses a kernel that asks for more shared memory than
+# a block may have, never runs. Such a kernel failed only when XLA ran it: on the H200, the
+# attention forward's former default (128 x 128 tiles, 3 stages) with a float32 bias stopped
+# the program with "JaxRuntimeError: INTERNAL: CustomCall failed: Shared memory requested
+# (360448 b) exceeds device resources (232448 b)". The check below makes it a ValueError at
+# lowering, naming the kernel, its tiles and the op's argument that chose them.
+# ----------------------------------------------------------------------------------------------
+
+# What ops said of their launches, by (kernel, num_warps, num_stages, meta-parameters).
+_CONFIG_ARGUMENTS: dict[tuple, str] = {}
+_COMPILING = threading.local()  # the launch jax-triton is compiling, in this thread
+_CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN = 97  # cuda.h
+
+
+def _launch_key(kernel: Any, num_warps: int | None, num_stages: int | None,
+                metaparams: dict[str, Any]) -> tuple:
+    return kernel, num_warps, num_stages, tuple(sorted(metaparams.items()))
+
+
+def max_shared_memory(device: int = 0) -> int | None:
+    """Bytes of shared memory one block may use on CUDA device ``device``: the opt-in maximum,
+    the figure Triton's loader checks (232448 on an H100 or H200). ``None`` without a CUDA
+    driver."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    value = ctypes.c_int()
+    if cuda.cuInit(0) != 0 or cuda.cuDeviceGetAttribute(
+            ctypes.byref(value), _CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, device) != 0:
+        return None
+    return value.value
+
+
+def _check_shared_memory(kernel_name: str, shared: int, limit: int | None, num_warps: int,
+                         num_stages: int, launch: tuple | None) -> None:
+    """Raise a ValueError if a compiled kernel asks for more than ``limit`` bytes of shared memory.
+
+    ``launch``: the key of the launch being compiled (:func:`_launch_key`), or None."""
+    if limit is None or shared <= limit:
+        return
+    tiles = ""
+    argument = "the op's tile configuration"
+    if launch is not None:
+        tiles = ", ".join(f"{k}={v}" for k, v in launch[3] if k.isupper() and isinstance(v, int)
+                          and not isinstance(v, bool))
+        if launch in _CONFIG_ARGUMENTS:
+            argument = _CONFIG_ARGUMENTS[launch]
+    raise ValueError(
+        f"{kernel_name} ({tiles + ', ' if tiles else ''}num_warps={num_warps}, "
+        f"num_stages={num_stages}) needs {shared} bytes of shared memory per program; this GPU "
+        f"allows {limit}. Choose smaller tiles or fewer stages in {argument}.")
+
+
+def _check_shared_memory_when_compiling(triton_lib: Any, limit: int | None) -> None:
+    """Wrap jax-triton's compile step (0.3.1: ``get_or_create_triton_kernel`` calls
+    ``compile_ttir_inplace`` on a cache miss) with :func:`_check_shared_memory` at ``limit``
+    bytes. A kernel that fails the check is not cached, so every call that would launch it
+    raises."""
+    get_or_create, compile_ttir = (getattr(triton_lib, "get_or_create_triton_kernel", None),
+                                   getattr(triton_lib, "compile_ttir_inplace", None))
+    if get_or_create is None or compile_ttir is None or getattr(compile_ttir, "_ejk_lite", False):
+        return  # another jax-triton (its launches fail at run time, as before), or done
+
+    def get_or_create_checked(*args, **kwargs):
+        _COMPILING.launch = _launch_key(args[2], kwargs.get("num_warps"), kwargs.get("num_stages"),
+                                        kwargs.get("metaparams", {}))
+        try:
+            return get_or_create(*args, **kwargs)
+        finally:
+            _COMPILING.launch = None
+
+    def compile_checked(module, backend, options, *args, **kwargs):
+        result = compile_ttir(module, backend, options, *args, **kwargs)
+        _check_shared_memory(result.name, result.shared_mem_bytes, limit, options.num_warps,
+                             options.num_stages, getattr(_COMPILING, "launch", None))
+        return result
+
+    compile_checked._ejk_lite = True
+    triton_lib.get_or_create_triton_kernel = get_or_create_checked
+    triton_lib.compile_ttir_inplace = compile_checked
 
 
 class _RefuseTorchInThisThread(importlib.abc.MetaPathFinder):

@@ -658,6 +658,7 @@ def _forward_launch(scale, reverse, config, query, key, value, g, g_gamma, gk, g
                                         query.dtype if num_k_tiles == 1 else f32),
                    jax.ShapeDtypeStruct((num_seqs, num_heads, key_dim, value_dim), f32)],
         grid=(num_v_tiles, num_k_tiles, num_seqs * num_heads), num_warps=num_warps,
+        config_argument="config",
         H=num_heads, H_KV=num_kv_heads, K=key_dim, V=value_dim, SCALE=float(scale),
         BK=block_k, BV=block_v, **_flags(g, g_gamma, gk, gv, initial_state, reverse, cu_seqlens),
     )
@@ -721,6 +722,7 @@ def _backward_launch(scale, reverse, config, query, key, value, g, g_gamma, gk, 
                    jax.ShapeDtypeStruct((num_seqs, num_heads, key_dim, value_dim)
                                         if initial_state is not None else (1,), f32)],
         grid=(num_v_tiles, num_k_tiles, 2 * num_seqs * num_heads), num_warps=num_warps,
+        config_argument="config",
         H=num_heads, H_KV=num_kv_heads, K=key_dim, V=value_dim, SCALE=float(scale),
         BK=block_k, BV=block_v, USE_DHT=has_dht, **flags,
     )

@@ -580,7 +580,8 @@ def _mean_pool_forward_rows(x3d: Array, cu_seqlens: Array, plan: _Plan) -> Array
     _check_rows(rows)
     num_seqs = cu_seqlens.shape[0] - 1
     tiles = (cdiv(num_tokens, plan.tile_tokens), cdiv(num_features, plan.block_hidden))
-    common = dict(num_warps=plan.num_warps, NUM_FEATURES=num_features, TILE_TOKENS=plan.tile_tokens,
+    common = dict(config_argument="config",
+                  num_warps=plan.num_warps, NUM_FEATURES=num_features, TILE_TOKENS=plan.tile_tokens,
                   BLOCK_T=plan.block_tokens, BLOCK_D=plan.block_hidden, NUM_STAGES=plan.num_stages,
                   SEARCH_STEPS=plan.search_steps, WALK_SEQS=_WALK_SEQS, WALK_MIN_TOKENS=_WALK_MIN_TOKENS)
     if plan.has_pieces:
@@ -609,6 +610,7 @@ def _mean_pool_backward_rows(dout: Array, cu_seqlens: Array, plan: _Plan) -> Arr
         out_shape=jax.ShapeDtypeStruct((rows, plan.num_tokens, num_features), dout.dtype),
         grid=(cdiv(plan.num_tokens, plan.grad_tile_tokens) * cdiv(num_features, plan.block_hidden),
               rows),
+        config_argument="config",
         num_warps=plan.bwd_num_warps, NUM_FEATURES=num_features, TILE_TOKENS=plan.grad_tile_tokens,
         SEARCH_STEPS=plan.search_steps, BLOCK_T=plan.block_tokens, BLOCK_D=plan.block_hidden,
     )
@@ -662,6 +664,7 @@ def _block_pool_forward_rows(x3d: Array, cu_seqlens: Array, block_index: Array,
         kernel=block_pool_forward_kernel,
         out_shape=jax.ShapeDtypeStruct((rows, num_blocks, num_features), x3d.dtype),
         grid=(num_blocks * cdiv(num_features, plan.block_hidden), rows),
+        config_argument="config",
         num_warps=plan.tiles.num_warps, NUM_FEATURES=num_features,
         BLOCK_T=plan.tiles.block_tokens, BLOCK_D=plan.block_hidden, NUM_STAGES=plan.num_stages,
     )
@@ -679,6 +682,7 @@ def _block_pool_backward_rows(dout: Array, cu_seqlens: Array, block_index: Array
         out_shape=jax.ShapeDtypeStruct((rows, num_tokens, num_features), dout.dtype),
         grid=((num_blocks + plan.tail_programs) * cdiv(num_features, plan.tiles.block_hidden),
               rows),
+        config_argument="config",
         num_warps=plan.tiles.bwd_num_warps, NUM_FEATURES=num_features,
         TAIL_TOKENS=plan.tail_tokens, BLOCK_T=plan.tiles.block_tokens, BLOCK_D=plan.tiles.block_hidden,
     )

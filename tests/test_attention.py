@@ -279,6 +279,28 @@ def test_default_tiles_fit_shared_memory():
     assert found and int(found[2]) >= 6 and found[3] == "0", done.stdout[-3000:]
 
 
+@pytest.mark.skipif(not ejk_lite.ON_GPU, reason="jax-triton compiles for the GPU only on a GPU")
+@pytest.mark.parametrize("pair", ["bias", "attention_mask"])
+def test_tiles_past_shared_memory(pair, rng):
+    """On the GPU, with a bias and with a dense attention_mask at bfloat16 D128: the default tiles
+    launch and are right, forward and every gradient; 128 x 128 tiles in three stages (the
+    forward's default before a tile per pair was counted) ask for more shared memory than sm_90
+    has, 360448 / 262144 bytes against 232448, and are a ValueError naming ``fwd_blocks`` where
+    they were an error inside XLA at run time."""
+    B, H, T = 1, 2, 300
+    arrays = make_inputs(rng, B=B, H=H, T=T, D=128, bias_shape=(B, H, T, T) if pair == "bias" else None)
+    options = {} if pair == "bias" else dict(attention_mask=rng.random((B, 1, T, T)) < 0.6)
+    check(rng, arrays, options, jnp.bfloat16, fwd=None, bwd=None)
+    limit = ejk_lite.launch.max_shared_memory()
+    if limit is None or limit >= 360448:
+        pytest.skip(f"this GPU's blocks may have {limit} bytes of shared memory")
+    inputs = {name: jnp.asarray(x, jnp.bfloat16) for name, x in arrays.items()}
+    with pytest.raises(ValueError, match=rf"_attention_fwd_kernel \(.*num_stages=3\) needs \d+ "
+                                         rf"bytes of shared memory .* allows {limit}\. .* fwd_blocks\."):
+        blocksparse_attention(**inputs, **options, fwd_blocks=BlockSizes(128, 128, 8, 3),
+                              impl="triton")
+
+
 @pytest.mark.parametrize("sinks", [False, True])
 def test_fully_masked_rows(sinks, rng):
     """Rows with no visible key: output exactly 0, gradients finite and 0 for those rows."""

@@ -231,3 +231,52 @@ def test_torch_triton_kernels_run_after_the_specializer_started_without_torch(tm
     child = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                            timeout=300, env=env)
     assert child.returncode == 0 and child.stdout.strip().endswith("ok"), child.stderr[-3000:]
+
+
+def test_shared_memory_past_the_gpu_is_a_value_error(monkeypatch):
+    """jax-triton compiles a kernel while XLA lowers the call and never loads it, so a kernel
+    asking for more shared memory than the GPU gives a block failed only inside XLA, at run time.
+    ejk_lite wraps jax-triton's compile step to raise a ValueError at lowering instead, naming the
+    kernel, its tiles and the op's argument that chose them. The wrapping, here on a stand-in for
+    jax-triton's two functions, so that it runs without a GPU (test_attention.py has the real
+    thing, on a GPU)."""
+    import types
+
+    import ejk_lite.launch as launch
+
+    shared = {"bytes": 0}
+    lib = types.SimpleNamespace()
+
+    def compile_ttir_inplace(module, backend, options, compute_capability, platform):
+        return types.SimpleNamespace(name="axpy_kernel", shared_mem_bytes=shared["bytes"])
+
+    def get_or_create_triton_kernel(backend_init, platform, fn, arg_dtypes, scalar_args, *,
+                                    num_warps, num_stages, metaparams, **_):
+        options = types.SimpleNamespace(num_warps=num_warps or 4, num_stages=num_stages or 3)
+        return lib.compile_ttir_inplace(None, None, options, 90, platform)  # as jax-triton: a global
+
+    lib.compile_ttir_inplace = compile_ttir_inplace
+    lib.get_or_create_triton_kernel = get_or_create_triton_kernel
+    launch._check_shared_memory_when_compiling(lib, 232448)
+    wrapped = lib.compile_ttir_inplace
+    launch._check_shared_memory_when_compiling(lib, 232448)  # a second time changes nothing
+    assert lib.compile_ttir_inplace is wrapped and wrapped is not compile_ttir_inplace
+    # what triton_call records of a launch whose tiles an op's argument chose
+    monkeypatch.setitem(launch._CONFIG_ARGUMENTS,
+                        launch._launch_key(axpy_kernel, 8, 3, {"BLOCK": 128, "EVEN": True}), "config")
+
+    def compile_for(**launch_options):
+        return lib.get_or_create_triton_kernel(None, "cuda", axpy_kernel, [], [], **launch_options)
+
+    shared["bytes"] = 232448  # all a block may have: compiles
+    assert compile_for(num_warps=8, num_stages=3, metaparams={"BLOCK": 128, "EVEN": True}).name
+    shared["bytes"] = 232449
+    with pytest.raises(ValueError, match=r"axpy_kernel \(BLOCK=128, num_warps=8, num_stages=3\) "
+                                         r"needs 232449 bytes .* allows 232448\. .* in config\."):
+        compile_for(num_warps=8, num_stages=3, metaparams={"BLOCK": 128, "EVEN": True})
+    # a launch no op described (other tiles): the kernel and its tiles, and jax-triton's defaults
+    with pytest.raises(ValueError, match=r"axpy_kernel \(BLOCK=64, num_warps=4, num_stages=3\) .*"
+                                         r"in the op's tile configuration\."):
+        compile_for(num_warps=None, num_stages=None, metaparams={"BLOCK": 64})
+    # without a CUDA driver there is no limit to check against
+    launch._check_shared_memory("axpy_kernel", 10**9, None, 4, 3, None)
