@@ -13,7 +13,9 @@
 * ``grid`` is a tuple, or a callable that receives the meta-parameters and returns one.
 
 On a machine with a CUDA GPU the call goes to jax-triton, which compiles the kernel and embeds it
-in the XLA program. On a machine without one, the *same* ``@triton.jit`` function runs in Triton's
+in the XLA program (a kernel of one config that needs more shared memory than the GPU gives a
+block is a ``ValueError`` there, naming the op's argument that chose its tiles: see
+:func:`_check_shared_memory`). On a machine without one, the *same* ``@triton.jit`` function runs in Triton's
 interpreter (``TRITON_INTERPRET=1``), called from inside the XLA program through
 ``jax.pure_callback``. Both paths compose with ``jax.jit`` and ``jax.custom_vjp``; neither has a
 JVP or batching rule of its own, so differentiable ops wrap their launches in ``custom_vjp``, and
@@ -96,7 +98,8 @@ def triton_call(
     output starts as that input (jax-triton's convention; the kernel gets both pointers).
     ``config_argument``: the op's argument that chose this launch's tiles (``"fwd_blocks"``),
     named by the error raised where they ask for more shared memory than the GPU has (see
-    :func:`_check_shared_memory`).
+    :func:`_check_shared_memory`; an autotuned kernel's configs are not checked: jaxlib's
+    autotuner skips those the GPU cannot launch).
     """
     aliases = dict(input_output_aliases or {})
     # A NumPy scalar (np.int64(8), what indexing a NumPy array gives) is a number, not an array:
@@ -123,8 +126,9 @@ def triton_call(
 
     if not INTERPRETER:
         jax_triton = _import_jax_triton()
-        if config_argument is not None and not isinstance(kernel, triton.runtime.Autotuner):
-            _CONFIG_ARGUMENTS[_launch_key(kernel, num_warps, num_stages, metaparams)] = config_argument
+        if not isinstance(kernel, triton.runtime.Autotuner):
+            key = _launch_key(kernel, num_warps, num_stages, metaparams)
+            _PINNED_LAUNCHES[key] = config_argument or "the op's tile configuration"
         outs = jax_triton.triton_call(
             *args, kernel=kernel, out_shape=out_shape, grid=grid,
             num_warps=num_warps, num_stages=num_stages, input_output_aliases=aliases,
@@ -204,10 +208,16 @@ def _import_jax_triton():
 # the program with "JaxRuntimeError: INTERNAL: CustomCall failed: Shared memory requested
 # (360448 b) exceeds device resources (232448 b)". The check below makes it a ValueError at
 # lowering, naming the kernel, its tiles and the op's argument that chose them.
+#
+# Only ejk_lite's own launches of one config are checked. jaxlib's autotuner already skips an
+# autotune config the GPU cannot launch (AutotunedKernelCall::Autotune, CanLaunchOnDevice), so an
+# autotuned kernel still runs on a GPU with less shared memory than some of its configs ask for;
+# and a program's own jax-triton launches are left as jax-triton makes them.
 # ----------------------------------------------------------------------------------------------
 
-# What ops said of their launches, by (kernel, num_warps, num_stages, meta-parameters).
-_CONFIG_ARGUMENTS: dict[tuple, str] = {}
+# ejk_lite's launches of one config, by (kernel, num_warps, num_stages, meta-parameters): the
+# argument of the op that chose the tiles.
+_PINNED_LAUNCHES: dict[tuple, str] = {}
 _COMPILING = threading.local()  # the launch jax-triton is compiling, in this thread
 _CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN = 97  # cuda.h
 
@@ -234,22 +244,17 @@ def max_shared_memory(device: int = 0) -> int | None:
 
 def _check_shared_memory(kernel_name: str, shared: int, limit: int | None, num_warps: int,
                          num_stages: int, launch: tuple | None) -> None:
-    """Raise a ValueError if a compiled kernel asks for more than ``limit`` bytes of shared memory.
-
-    ``launch``: the key of the launch being compiled (:func:`_launch_key`), or None."""
-    if limit is None or shared <= limit:
+    """Raise a ValueError if one of ejk_lite's launches of one config (``launch``, a key of
+    :data:`_PINNED_LAUNCHES`) compiled to a kernel asking for more than ``limit`` bytes of shared
+    memory. Other launches (an autotune config, a program's own) pass."""
+    if limit is None or shared <= limit or launch not in _PINNED_LAUNCHES:
         return
-    tiles = ""
-    argument = "the op's tile configuration"
-    if launch is not None:
-        tiles = ", ".join(f"{k}={v}" for k, v in launch[3] if k.isupper() and isinstance(v, int)
-                          and not isinstance(v, bool))
-        if launch in _CONFIG_ARGUMENTS:
-            argument = _CONFIG_ARGUMENTS[launch]
+    tiles = ", ".join(f"{k}={v}" for k, v in launch[3] if k.isupper() and isinstance(v, int)
+                      and not isinstance(v, bool))
     raise ValueError(
         f"{kernel_name} ({tiles + ', ' if tiles else ''}num_warps={num_warps}, "
         f"num_stages={num_stages}) needs {shared} bytes of shared memory per program; this GPU "
-        f"allows {limit}. Choose smaller tiles or fewer stages in {argument}.")
+        f"allows {limit}. Choose smaller tiles or fewer stages in {_PINNED_LAUNCHES[launch]}.")
 
 
 def _check_shared_memory_when_compiling(triton_lib: Any, limit: int | None) -> None:

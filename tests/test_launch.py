@@ -236,10 +236,11 @@ def test_torch_triton_kernels_run_after_the_specializer_started_without_torch(tm
 def test_shared_memory_past_the_gpu_is_a_value_error(monkeypatch):
     """jax-triton compiles a kernel while XLA lowers the call and never loads it, so a kernel
     asking for more shared memory than the GPU gives a block failed only inside XLA, at run time.
-    ejk_lite wraps jax-triton's compile step to raise a ValueError at lowering instead, naming the
-    kernel, its tiles and the op's argument that chose them. The wrapping, here on a stand-in for
-    jax-triton's two functions, so that it runs without a GPU (test_attention.py has the real
-    thing, on a GPU)."""
+    ejk_lite wraps jax-triton's compile step to raise a ValueError at lowering instead, for its
+    own launches of one config, naming the kernel, its tiles and the op's argument that chose
+    them. Autotune configs and a program's own launches pass (jaxlib's autotuner skips configs
+    the GPU cannot launch). The wrapping, here on a stand-in for jax-triton's two functions, so
+    that it runs without a GPU (test_attention.py has the real thing, on a GPU)."""
     import types
 
     import ejk_lite.launch as launch
@@ -261,22 +262,32 @@ def test_shared_memory_past_the_gpu_is_a_value_error(monkeypatch):
     wrapped = lib.compile_ttir_inplace
     launch._check_shared_memory_when_compiling(lib, 232448)  # a second time changes nothing
     assert lib.compile_ttir_inplace is wrapped and wrapped is not compile_ttir_inplace
-    # what triton_call records of a launch whose tiles an op's argument chose
-    monkeypatch.setitem(launch._CONFIG_ARGUMENTS,
-                        launch._launch_key(axpy_kernel, 8, 3, {"BLOCK": 128, "EVEN": True}), "config")
+    # what triton_call records of two launches of one config, one naming the op's argument
+    named = {"BLOCK": 128, "EVEN": True}
+    monkeypatch.setitem(launch._PINNED_LAUNCHES, launch._launch_key(axpy_kernel, 8, 3, named),
+                        "config")
+    monkeypatch.setitem(launch._PINNED_LAUNCHES, launch._launch_key(axpy_kernel, None, None,
+                                                                    {"BLOCK": 64}),
+                        "the op's tile configuration")
 
-    def compile_for(**launch_options):
-        return lib.get_or_create_triton_kernel(None, "cuda", axpy_kernel, [], [], **launch_options)
+    def compile_for(num_warps, num_stages, metaparams):
+        return lib.get_or_create_triton_kernel(None, "cuda", axpy_kernel, [], [],
+                                               num_warps=num_warps, num_stages=num_stages,
+                                               metaparams=metaparams)
 
     shared["bytes"] = 232448  # all a block may have: compiles
-    assert compile_for(num_warps=8, num_stages=3, metaparams={"BLOCK": 128, "EVEN": True}).name
+    assert compile_for(8, 3, named).name
     shared["bytes"] = 232449
     with pytest.raises(ValueError, match=r"axpy_kernel \(BLOCK=128, num_warps=8, num_stages=3\) "
                                          r"needs 232449 bytes .* allows 232448\. .* in config\."):
-        compile_for(num_warps=8, num_stages=3, metaparams={"BLOCK": 128, "EVEN": True})
-    # a launch no op described (other tiles): the kernel and its tiles, and jax-triton's defaults
+        compile_for(8, 3, named)
+    # an op that named no argument: the kernel, its tiles and jax-triton's defaults
     with pytest.raises(ValueError, match=r"axpy_kernel \(BLOCK=64, num_warps=4, num_stages=3\) .*"
                                          r"in the op's tile configuration\."):
-        compile_for(num_warps=None, num_stages=None, metaparams={"BLOCK": 64})
+        compile_for(None, None, {"BLOCK": 64})
+    # not one of ejk_lite's launches of one config (an autotune config, a program's own): left
+    # to jaxlib, whose autotuner skips what the GPU cannot launch
+    assert compile_for(8, 3, {"BLOCK": 256}).name
     # without a CUDA driver there is no limit to check against
-    launch._check_shared_memory("axpy_kernel", 10**9, None, 4, 3, None)
+    launch._check_shared_memory("axpy_kernel", 10**9, None, 4, 3,
+                                launch._launch_key(axpy_kernel, 8, 3, named))
