@@ -15,9 +15,9 @@
 On a machine with a CUDA GPU the call goes to jax-triton, which compiles the kernel and embeds it
 in the XLA program (a kernel of one config that needs more shared memory than the GPU gives a
 block is a ``ValueError`` there, naming the op's argument that chose its tiles: see
-:func:`_check_shared_memory`). On a machine without one, the *same* ``@triton.jit`` function runs in Triton's
-interpreter (``TRITON_INTERPRET=1``), called from inside the XLA program through
-``jax.pure_callback``. Both paths compose with ``jax.jit`` and ``jax.custom_vjp``; neither has a
+:func:`_check_shared_memory`). On a machine without one, the *same* ``@triton.jit`` function
+runs in Triton's interpreter (``TRITON_INTERPRET=1``), called from inside the XLA program
+through ``jax.pure_callback``. Both paths compose with ``jax.jit`` and ``jax.custom_vjp``; neither has a
 JVP or batching rule of its own, so differentiable ops wrap their launches in ``custom_vjp``, and
 ops that support ``jax.vmap`` wrap them in :func:`vmap_by_folding` (or :func:`vmap_sequentially`).
 
