@@ -99,14 +99,25 @@ def optional_int(value: Any, name: str, minimum: int = 1, power_of_2: bool = Fal
     return power_of_two(value, name) if power_of_2 else static_int(value, name, minimum=minimum)
 
 
-def validated_fields(config: Any, powers_of_two: tuple[str, ...] = ()) -> dict[str, int | None]:
+def static_bool(value: Any, name: str) -> bool:
+    """``value`` as a Python bool: ``True``, ``False`` or a NumPy bool. Anything else (``1``,
+    ``"yes"``, a JAX array, which may be a tracer) is a ``ValueError`` naming ``name``."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
+def validated_fields(config: Any, powers_of_two: tuple[str, ...] = (),
+                     flags: tuple[str, ...] = ()) -> dict[str, int | bool | None]:
     """The fields of a config dataclass, each ``None`` or a static int ``>= 1`` (a power of two
-    when named in ``powers_of_two``), as Python ints; a ``ValueError`` names the bad field
-    (``"RecurrentConfig.block_k must be ..."``). The ops' frozen configs call this from their
-    ``__post_init__``, so an invalid config cannot be built at all."""
+    when named in ``powers_of_two``), as Python ints, or a bool when named in ``flags``; a
+    ``ValueError`` names the bad field (``"RecurrentConfig.block_k must be ..."``). The ops'
+    frozen configs call this from their ``__post_init__``, so an invalid config cannot be built
+    at all."""
     cls = type(config).__name__
-    return {f.name: optional_int(getattr(config, f.name), f"{cls}.{f.name}",
-                                 power_of_2=f.name in powers_of_two)
+    return {f.name: static_bool(getattr(config, f.name), f"{cls}.{f.name}") if f.name in flags
+            else optional_int(getattr(config, f.name), f"{cls}.{f.name}",
+                              power_of_2=f.name in powers_of_two)
             for f in dataclasses.fields(config)}
 
 

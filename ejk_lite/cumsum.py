@@ -158,6 +158,46 @@ def _span_total(
 
 
 @triton.jit
+def _scan_blocks(
+    x_ptr, out_ptr, start, end, keep, carry, T, C: tl.constexpr, scale,
+    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, NUM_STAGES: tl.constexpr,
+    REVERSE: tl.constexpr, TOKENS_CONTIGUOUS: tl.constexpr, DOT: tl.constexpr,
+):
+    """The walk of :func:`_scan_span` (its arguments), block by block, each block scanned with
+    ``tl.cumsum`` or (``DOT``) by two matrix products; returns the running totals, a
+    ``[BLOCK_C]`` carry or (``DOT``) a ``[BLOCK_T, BLOCK_C]`` tile whose every row is one."""
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_mask = cols < C
+    # jax-triton hands a Python float over as float64: multiplying the float32 sums by it would
+    # convert every element to float64 and back. (The default scale, 1.0, arrives as the
+    # constant 1.)
+    scale = tl.cast(scale, tl.float32)
+    if DOT:
+        r = tl.arange(0, BLOCK_T)
+        lower = (r[:, None] >= r[None, :]).to(x_ptr.dtype.element_ty)
+        ones = tl.full([BLOCK_T, BLOCK_T], 1.0, x_ptr.dtype.element_ty)
+        carry = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32) + carry[None, :]
+    for first in tl.range(0, end - start, BLOCK_T, num_stages=NUM_STAGES):
+        if REVERSE:
+            tokens = end - 1 - first - tl.arange(0, BLOCK_T)
+        else:
+            tokens = start + first + tl.arange(0, BLOCK_T)
+        offsets = _offsets(tokens, cols, T, C, TOKENS_CONTIGUOUS)
+        mask = (tokens[:, None] >= start) & (tokens[:, None] < end) & col_mask[None, :]
+        # Masked tokens load as 0: they add nothing to the sums of the tokens that are kept.
+        x = tl.load(x_ptr + offsets, mask=mask & keep, other=0.0)
+        if DOT:
+            sums = tl.dot(lower, x, carry)
+            carry = tl.dot(ones, x, carry)
+        else:
+            x = x.to(tl.float32)
+            sums = tl.cumsum(x, axis=0) + carry[None, :]
+            carry += tl.sum(x, axis=0)
+        tl.store(out_ptr + offsets, (sums * scale).to(out_ptr.dtype.element_ty), mask=mask)
+    return carry
+
+
+@triton.jit
 def _scan_span(
     x_ptr, out_ptr,  # this program's row: its element (t, c) is at offset t*C + c (or c*T + t)
     start, end,  # the segment: tokens start <= t < end
@@ -165,7 +205,7 @@ def _scan_span(
     carry,  # [BLOCK_C] float32: what the sums start from (the tokens walked before this span)
     T, C: tl.constexpr, scale,
     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, NUM_STAGES: tl.constexpr,
-    REVERSE: tl.constexpr, TOKENS_CONTIGUOUS: tl.constexpr,
+    REVERSE: tl.constexpr, TOKENS_CONTIGUOUS: tl.constexpr, USE_DOT: tl.constexpr,
 ):
     """Write the (reverse) cumulative sum of tokens [start, end) for this program's column tile.
 
@@ -182,25 +222,34 @@ def _scan_span(
     every step; that bounds a long walk (the global kernel) by bytes in flight, and a bfloat16
     block holds half the bytes of a float32 one. A program that scans one block (a chunk no
     longer than ``BLOCK_T``) has nothing to overlap: the local launcher passes 1 then.
+
+    ``USE_DOT`` (16-bit inputs only; a 32-bit one takes ``tl.cumsum`` whatever it says): each
+    block is scanned on the tensor cores, by two matrix products and no reduction::
+
+        sums    = L @ x + running      L: [BLOCK_T, BLOCK_T], ones on and below the diagonal
+        running = 1 @ x + running      1: [BLOCK_T, BLOCK_T], all ones
+
+    ``running`` is a float32 ``[BLOCK_T, BLOCK_C]`` tile whose every row is the carry, and it is
+    both products' accumulator: x and the ones are exact in 16 bits, so are their products, and
+    every sum is float32 (a carry rounded to 16 bits would lose up to 2**-9 of it a block). Why:
+    ``tl.cumsum`` of a tall tile passes partial sums between lanes and warps, about one warp
+    instruction per element, which bounds a 16-bit walk (the comment above ``_GLOBAL_TILES``).
+
+    A product is not a sum where an input is infinite: the zeros of ``L`` above the diagonal
+    times an inf are NaN, so a -inf gate (log 0) would make the sums *before* it NaN where the
+    sequential sum keeps them finite. The running totals stay right (``1 @ x`` has no zeros),
+    and once an inf or a NaN is in them it stays: so a walk whose final totals are not all
+    finite is walked again with ``tl.cumsum``, overwriting what the products wrote (all inputs
+    finite: one check at the end of the walk; any inf or NaN in a column tile: twice the time).
     """
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    col_mask = cols < C
-    # jax-triton hands a Python float over as float64: multiplying the float32 sums by it would
-    # convert every element to float64 and back. (The default scale, 1.0, arrives as the
-    # constant 1.)
-    scale = tl.cast(scale, tl.float32)
-    for first in tl.range(0, end - start, BLOCK_T, num_stages=NUM_STAGES):
-        if REVERSE:
-            tokens = end - 1 - first - tl.arange(0, BLOCK_T)
-        else:
-            tokens = start + first + tl.arange(0, BLOCK_T)
-        offsets = _offsets(tokens, cols, T, C, TOKENS_CONTIGUOUS)
-        mask = (tokens[:, None] >= start) & (tokens[:, None] < end) & col_mask[None, :]
-        # Masked tokens load as 0: they add nothing to the sums of the tokens that are kept.
-        x = tl.load(x_ptr + offsets, mask=mask & keep, other=0.0).to(tl.float32)
-        sums = tl.cumsum(x, axis=0) + carry[None, :]
-        carry += tl.sum(x, axis=0)
-        tl.store(out_ptr + offsets, (sums * scale).to(out_ptr.dtype.element_ty), mask=mask)
+    DOT: tl.constexpr = USE_DOT and x_ptr.dtype.element_ty.primitive_bitwidth == 16
+    totals = _scan_blocks(x_ptr, out_ptr, start, end, keep, carry, T, C, scale, BLOCK_T, BLOCK_C,
+                          NUM_STAGES, REVERSE, TOKENS_CONTIGUOUS, DOT)
+    if DOT:
+        # abs(NaN) < inf is False too
+        if tl.sum(tl.where(tl.abs(totals) < float("inf"), 0, 1)) > 0:
+            _scan_blocks(x_ptr, out_ptr, start, end, keep, carry, T, C, scale, BLOCK_T, BLOCK_C,
+                         NUM_STAGES, REVERSE, TOKENS_CONTIGUOUS, False)
 
 
 # Autotuning (on the GPU) picks the tile; the interpreter and the first compile use the first
@@ -228,12 +277,13 @@ _LOCAL_TILES = [  # (BLOCK_T, BLOCK_C, num_warps, NUM_STAGES)
     (8, 512, 4, 3),
     (8, 1024, 4, 3),
 ]
-_TILE_FIELDS = ("BLOCK_T", "BLOCK_C", "num_warps", "NUM_STAGES", "SPLIT")
+_TILE_FIELDS = ("BLOCK_T", "BLOCK_C", "num_warps", "NUM_STAGES", "SPLIT", "USE_DOT")
 
 
 def _configs(tiles) -> list[triton.Config]:
     """One ``triton.Config`` per tile, a tuple of ``_TILE_FIELDS`` (the local kernel's stop at
-    ``NUM_STAGES``): Triton's ``num_stages`` is the walk's ``NUM_STAGES``."""
+    ``NUM_STAGES``, the global kernel's have all six): Triton's ``num_stages`` is the walk's
+    ``NUM_STAGES``."""
     configs = []
     for tile in tiles:
         meta = dict(zip(_TILE_FIELDS, tile))
@@ -323,7 +373,7 @@ def chunk_local_cumsum_kernel(
                             TOKENS_CONTIGUOUS=False)
     _scan_span(x_ptr + row, out_ptr + row, start, end, keep, carry, T, C, scale, BLOCK_T=BLOCK_T,
                BLOCK_C=BLOCK_C, NUM_STAGES=NUM_STAGES, REVERSE=REVERSE,
-               TOKENS_CONTIGUOUS=TOKENS_CONTIGUOUS)
+               TOKENS_CONTIGUOUS=TOKENS_CONTIGUOUS, USE_DOT=False)
 
 
 @triton.jit
@@ -394,31 +444,56 @@ def _local_autotuned(chunk_size: int):
 # figure of that is recorded. A scan on the tensor cores (each 16-bit block's prefix sums as
 # tl.dot of a lower triangle of ones and the block) was faster in that probe too, but its sums
 # were wrong at the benchmark's sizes (relative errors above the bfloat16 tolerance, 1.6e-2,
-# against float64; right on the tests' small shapes), cause not found: removed.
-_GLOBAL_TILES = [  # (BLOCK_T, BLOCK_C, num_warps, NUM_STAGES, SPLIT)
-    (64, 32, 4, 3, 1),  # first: CumsumConfig()'s default, what the interpreter runs
-    (128, 32, 4, 3, 1),
-    (128, 16, 4, 3, 1),
-    (32, 64, 4, 3, 1),
-    (128, 32, 8, 3, 1),
-    (256, 16, 8, 3, 1),
-    (256, 32, 8, 2, 1),
-    (512, 8, 4, 3, 1),
-    (1024, 4, 4, 3, 1),
+# against float64; right on the tests' small shapes), cause not found: removed. The scan on
+# the tensor cores below keeps its carry in the products' float32 accumulator and is right at
+# the benchmark's sizes (relative error 1.7e-3 in bfloat16, as the walk's); whether the removed
+# one rounded its carry to 16 bits is not known.
+#
+# The scan on the tensor cores (USE_DOT, 16-bit inputs: see _scan_span) leaves tl.cumsum's
+# shuffles out: each block is two products with a triangle of ones, accumulated in float32.
+# A probe of pinned tiles (bench/_probe_cumsum_tc.py: H200, bfloat16 [4, 4096, 16, 128],
+# forward, device time, median of 10, against float64, same run; % of the 4291 GB/s copy):
+# the autotuned walk 0.0672 ms, 46.5%; on the tensor cores 64 x 64 with 8 warps and 6 stages
+# 0.0365 ms, 85.7%, with 4 warps 83.4%; 64 x 64 at 4 stages 73.5%, 64 x 128 at 4 stages 46.9%
+# with 4 warps and 57.6% with 8. Stages count: in two earlier runs of the same probe, 64 x 32
+# with 4 warps gave 61.3% at 3 stages, 72.9% and 72.3% at 4, 80.6% at 5. On a longer input,
+# [8, 8192, 16, 128], the order changes: 64 x 128 with 8 warps at 4 stages 91.9%, 32 x 64 at 6
+# stages 89.4%, 64 x 64 with 8 warps at 6 85.2% (the walk 51.6%). float16 ran as bfloat16 did
+# (64 x 32, 4 warps, 4 stages: 71.6% and 72.9%). So 16-bit inputs autotune over the walk's
+# tiles and these (_GLOBAL_16_BIT_TILES); float32 ones (their products would be TF32, rounded)
+# over the walk's only.
+_GLOBAL_TILES = [  # (BLOCK_T, BLOCK_C, num_warps, NUM_STAGES, SPLIT, USE_DOT)
+    (64, 32, 4, 3, 1, False),  # first: CumsumConfig()'s default, what the interpreter runs
+    (128, 32, 4, 3, 1, False),
+    (128, 16, 4, 3, 1, False),
+    (32, 64, 4, 3, 1, False),
+    (128, 32, 8, 3, 1, False),
+    (256, 16, 8, 3, 1, False),
+    (256, 32, 8, 2, 1, False),
+    (512, 8, 4, 3, 1, False),
+    (1024, 4, 4, 3, 1, False),
     # An autotune candidate, not a known win: SPLIT 2 on the vector gates' best tile was slower
     # than SPLIT 1 there (above), and no input is known where it is faster.
-    (128, 32, 4, 3, 2),
-    (256, 16, 4, 3, 8),  # few, long walks (the two-pass path takes small inputs)
-    (512, 8, 4, 3, 8),
+    (128, 32, 4, 3, 2, False),
+    (256, 16, 4, 3, 8, False),  # few, long walks (the two-pass path takes small inputs)
+    (512, 8, 4, 3, 8, False),
+]
+_GLOBAL_16_BIT_TILES = _GLOBAL_TILES + [  # the scan on the tensor cores, the probe's best five
+    (64, 64, 8, 6, 1, True),
+    (64, 64, 4, 6, 1, True),
+    (64, 64, 4, 4, 1, True),
+    (64, 128, 8, 4, 1, True),
+    (32, 64, 4, 6, 1, True),
 ]
 _GLOBAL_CONFIGS = _configs(_GLOBAL_TILES)
+_GLOBAL_16_BIT_CONFIGS = _configs(_GLOBAL_16_BIT_TILES)
 
 
 @triton.jit
 def chunk_global_cumsum_kernel(
     x_ptr, cu_seqlens_ptr, T, num_seqs, scale, out_ptr,
     C: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, NUM_STAGES: tl.constexpr,
-    SPLIT: tl.constexpr,
+    SPLIT: tl.constexpr, USE_DOT: tl.constexpr,
     REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr, TOKENS_CONTIGUOUS: tl.constexpr,
 ):
     """Grid ``(sequences x SPLIT, column tiles, rows)``: ``SPLIT`` programs scan one sequence.
@@ -459,10 +534,12 @@ def chunk_global_cumsum_kernel(
             end = start + mine
     _scan_span(x_ptr + row, out_ptr + row, start, end, keep, carry, T, C, scale, BLOCK_T=BLOCK_T,
                BLOCK_C=BLOCK_C, NUM_STAGES=NUM_STAGES, REVERSE=REVERSE,
-               TOKENS_CONTIGUOUS=TOKENS_CONTIGUOUS)
+               TOKENS_CONTIGUOUS=TOKENS_CONTIGUOUS, USE_DOT=USE_DOT)
 
 
 _global_autotuned = triton.autotune(configs=_GLOBAL_CONFIGS, key=["T", "C"])(
+    chunk_global_cumsum_kernel)
+_global_16_bit_autotuned = triton.autotune(configs=_GLOBAL_16_BIT_CONFIGS, key=["T", "C"])(
     chunk_global_cumsum_kernel)
 
 
@@ -517,6 +594,9 @@ class CumsumConfig:
     * ``num_stages``: blocks of loads in flight in a walk (``NUM_STAGES``, Triton's software
       pipelining; 1: none). The local kernel uses 1 when a chunk is one block.
     * ``split``: programs sharing one sequence's walk (global kernel only; see _GLOBAL_TILES).
+    * ``tensor_cores``: scan each block of a 16-bit input by two matrix products on the tensor
+      cores (global kernel only; see ``_scan_span``), which needs ``block_t`` and ``block_c`` of
+      at least 16. A float32 input scans with ``tl.cumsum`` either way.
     """
 
     block_t: int = 64
@@ -524,13 +604,19 @@ class CumsumConfig:
     num_warps: int = 4
     num_stages: int = 3
     split: int = 1
+    tensor_cores: bool = False
 
     def __post_init__(self):
-        fields = validated_fields(self, powers_of_two=("block_t", "block_c", "num_warps"))
+        fields = validated_fields(self, powers_of_two=("block_t", "block_c", "num_warps"),
+                                  flags=("tensor_cores",))
         freeze_fields(self, fields)
         for name in ("block_t", "block_c", "num_warps", "num_stages", "split"):
             if getattr(self, name) is None:
                 raise ValueError(f"CumsumConfig.{name} must be a positive int, got None")
+        if self.tensor_cores and min(self.block_t, self.block_c) < 16:
+            # tl.dot's smallest tile: a matrix product of fewer rows or columns does not compile
+            raise ValueError(f"CumsumConfig.block_t and block_c must be at least 16 with "
+                             f"tensor_cores=True, got {self.block_t} and {self.block_c}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -595,9 +681,12 @@ def _launch_rows(x, cu_seqlens, *, chunk_size, reverse, scale, head_first, out_d
                 and cdiv(T, _TWO_PASS_CHUNK) <= _TWO_PASS_MAX_CHUNKS)  # T: the longest sequence
     if chunk_size is None and not two_pass:
         num_segments = num_seqs + 1 if varlen else 1
-        kernel = _global_autotuned if config is None else chunk_global_cumsum_kernel
+        kernel = chunk_global_cumsum_kernel
+        if config is None:
+            kernel = _global_16_bit_autotuned if view.dtype.itemsize == 2 else _global_autotuned
         if config is not None:
-            pinned.update(BLOCK_T=config.block_t, NUM_STAGES=config.num_stages, SPLIT=config.split)
+            pinned.update(BLOCK_T=config.block_t, NUM_STAGES=config.num_stages, SPLIT=config.split,
+                          USE_DOT=config.tensor_cores)
         out = triton_call(
             view, cu, T, num_seqs, scale, kernel=kernel, C=C,
             grid=lambda meta: (num_segments * meta["SPLIT"], cdiv(C, meta["BLOCK_C"]), N),

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from conftest import TOLERANCE, WRAPPING_CU_SEQLENS, rel_err
 from ejk_lite import chunk_global_cumsum, chunk_local_cumsum
-from ejk_lite.cumsum import (_GLOBAL_TILES, _LOCAL_TILES, CumsumConfig, reference_global_cumsum,
-                             reference_local_cumsum)
+from ejk_lite.cumsum import (_GLOBAL_16_BIT_TILES, _GLOBAL_TILES, _LOCAL_TILES, CumsumConfig,
+                             reference_global_cumsum, reference_local_cumsum)
 
 IMPLS = ["xla", "triton"]
 OPS = ["local", "global"]
@@ -307,13 +307,17 @@ def test_pinned_config(rng, op, config):
 def test_config_is_validated():
     for field, value in [("block_t", 6), ("block_c", 0), ("num_warps", 3), ("num_stages", 0), ("block_t", 8.0),
                          ("block_c", True), ("num_warps", None), ("split", 0), ("split", None),
-                         ("split", 2.0)]:
+                         ("split", 2.0), ("tensor_cores", 1), ("tensor_cores", None)]:
         with pytest.raises(ValueError, match=f"CumsumConfig.{field}"):
             CumsumConfig(**{field: value})
     with pytest.raises(ValueError, match="config"):
         chunk_global_cumsum(jnp.ones((1, 8, 2)), impl="triton", config={"block_t": 4})
     config = CumsumConfig(block_t=np.int64(16), block_c=np.int32(8))
     assert type(config.block_t) is int and type(config.block_c) is int and hash(config) == hash(CumsumConfig(16, 8))
+    assert CumsumConfig(tensor_cores=np.bool_(True)).tensor_cores is True
+    for block_t, block_c in [(8, 16), (16, 8)]:  # tl.dot needs 16 rows and columns at least
+        with pytest.raises(ValueError, match="at least 16 with tensor_cores"):
+            CumsumConfig(block_t, block_c, tensor_cores=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -367,9 +371,11 @@ def test_default_config_is_the_autotuners_first():
     import ejk_lite.cumsum as cumsum
 
     config = CumsumConfig()
-    first = cumsum._GLOBAL_CONFIGS[0]
-    assert (config.block_t, config.block_c, config.num_warps, config.num_stages, config.split) == (
-        first.kwargs["BLOCK_T"], first.kwargs["BLOCK_C"], first.num_warps, first.num_stages, first.kwargs["SPLIT"])
+    for configs in (cumsum._GLOBAL_CONFIGS, cumsum._GLOBAL_16_BIT_CONFIGS):
+        first = configs[0]
+        assert (config.block_t, config.block_c, config.num_warps, config.num_stages, config.split,
+                config.tensor_cores) == (first.kwargs["BLOCK_T"], first.kwargs["BLOCK_C"], first.num_warps,
+                                         first.num_stages, first.kwargs["SPLIT"], first.kwargs["USE_DOT"])
     assert cumsum._local_configs(64)[0].kwargs["BLOCK_C"] == config.block_c
 
 
@@ -381,10 +387,15 @@ def test_configs_of_tiles():
     (local,) = cumsum._configs([(8, 256, 1, 3)])
     assert local.kwargs == {"BLOCK_T": 8, "BLOCK_C": 256, "NUM_STAGES": 3}
     assert (local.num_warps, local.num_stages) == (1, 3)
-    assert len(cumsum._GLOBAL_CONFIGS) == len(_GLOBAL_TILES)
-    for config, (block_t, block_c, num_warps, stages, split) in zip(cumsum._GLOBAL_CONFIGS, _GLOBAL_TILES):
-        assert config.kwargs == {"BLOCK_T": block_t, "BLOCK_C": block_c, "NUM_STAGES": stages, "SPLIT": split}
-        assert (config.num_warps, config.num_stages) == (num_warps, stages)
+    for configs, tiles in [(cumsum._GLOBAL_CONFIGS, _GLOBAL_TILES),
+                           (cumsum._GLOBAL_16_BIT_CONFIGS, _GLOBAL_16_BIT_TILES)]:
+        assert len(configs) == len(tiles)
+        for config, (block_t, block_c, num_warps, stages, split, dot) in zip(configs, tiles):
+            assert config.kwargs == {"BLOCK_T": block_t, "BLOCK_C": block_c, "NUM_STAGES": stages,
+                                     "SPLIT": split, "USE_DOT": dot}
+            assert (config.num_warps, config.num_stages) == (num_warps, stages)
+    # 32-bit inputs never take the tensor cores (their products would be TF32); 16-bit ones may
+    assert not any(t[-1] for t in _GLOBAL_TILES) and any(t[-1] for t in _GLOBAL_16_BIT_TILES)
 
 
 @pytest.mark.parametrize("chunk_size", [1, 8, 64, 256])
@@ -402,31 +413,41 @@ def test_local_autotune_list_fits_the_chunk(chunk_size):
         assert (block_t, block_c, num_warps, 1 if block_t == chunk_size else stages) in tiles
 
 
-@pytest.mark.parametrize("op, tile", [("local", t) for t in _LOCAL_TILES] + [("global", t) for t in _GLOBAL_TILES])
+@pytest.mark.parametrize("op, tile", [("local", t) for t in _LOCAL_TILES]
+                         + [("global", t) for t in _GLOBAL_16_BIT_TILES])
 def test_every_autotune_tile(rng, op, tile):
     """Each tile the autotuner may pick, pinned, gives the right sums (the interpreter runs only
-    the first one when autotuning): packed sequences, columns not a multiple of the tile."""
+    the first one when autotuning): packed sequences, columns not a multiple of the tile; the
+    tiles that scan on the tensor cores in float16, which takes them (the sums in float32; the
+    interpreter hands bfloat16 to a kernel as float32, so float16 is what runs them on a CPU)."""
     config = CumsumConfig(*tile)
     cu = cu_from_lengths([5, 0, 70, 1])
-    x = make_input(rng, (1, 80, 3, 7))
+    dtype = "float16" if config.tensor_cores else "float32"
+    x = make_input(rng, (1, 80, 3, 7), dtype)
     fn = chunk_local_cumsum if op == "local" else chunk_global_cumsum
     kwargs = dict(chunk_size=64) if op == "local" else {}
     for reverse in (False, True):
-        out = fn(x, **kwargs, reverse=reverse, cu_seqlens=jnp.asarray(cu), impl="triton", config=config)
+        out = fn(x, **kwargs, reverse=reverse, cu_seqlens=jnp.asarray(cu), impl="triton", config=config,
+                 output_dtype=jnp.float32)
         assert rel_err(out, expected(op, x, 64, reverse=reverse, cu_seqlens=cu)) < TOLERANCE["float32"]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("split, dtype", [(1, "bfloat16"), (3, "float32"), (4, "float16"),
                                          (2, "bfloat16")])
-def test_split_walks(rng, layout, split, dtype):
+@pytest.mark.parametrize("tensor_cores", [False, True])
+def test_split_walks(rng, layout, split, dtype, tensor_cores):
     """The global kernel with ``split`` programs a sequence, pinned to 16-token blocks: packed
     sequences of 37 (not a whole number of blocks), 0, 1, 16 and 5 tokens, 4 padding tokens after
     them, and one unpacked sequence of 75 (split 4: spans of 32, 32, 11 and an empty one); both
     directions; columns fewer than a tile (scalar: 3) and more (vector: 21); sums in float32 and
-    the gradient in the input dtype."""
+    the gradient in the input dtype. With ``tensor_cores`` the 16-bit inputs scan on the tensor
+    cores (float32 sums all the same: a carry rounded to 16 bits fails the float32 tolerance);
+    float32 ones take tl.cumsum. (On a CPU only float16 does: the interpreter hands bfloat16 to a
+    kernel as float32.)"""
     head_first = layout.endswith("head_first")
-    config = CumsumConfig(block_t=16, block_c=16, num_warps=4, num_stages=2, split=split)
+    config = CumsumConfig(block_t=16, block_c=16, num_warps=4, num_stages=2, split=split,
+                          tensor_cores=tensor_cores)
     cu = cu_from_lengths([37, 0, 1, 16, 5])
     for batch, tokens, cu_seqlens in [(1, int(cu[-1]) + 4, cu), (2, 75, None)]:
         x = make_input(rng, shape_of(layout, batch, tokens, heads=3, features=7), dtype)
@@ -471,23 +492,30 @@ def test_one_and_two_pass_global_cumsum(rng, monkeypatch, layout, reverse, two_p
     assert rel_err(out, numpy_cumsum(x, reverse=reverse, head_first=head_first)) < TOLERANCE["float32"]
 
 
-@pytest.mark.parametrize("config", [None, CumsumConfig(block_t=16, block_c=16, split=3)])
+@pytest.mark.parametrize("config", [None, CumsumConfig(block_t=16, block_c=16, split=3),
+                                    CumsumConfig(block_t=16, block_c=16, tensor_cores=True),
+                                    CumsumConfig(block_t=16, block_c=16, split=3, tensor_cores=True)])
 @pytest.mark.parametrize("reverse", [False, True])
-def test_infinite_gates(rng, monkeypatch, config, reverse):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_infinite_gates(rng, monkeypatch, config, reverse, dtype):
     """A -inf gate (log 0) makes the sums from it on -inf and leaves the ones before it alone; a
     +inf after it makes them NaN, as does a NaN: sequential semantics on every path (two passes,
-    one walk, split walks, whose programs start from the sums of the spans before theirs)."""
+    one walk, split walks, whose programs start from the sums of the spans before theirs, and
+    the scan on the tensor cores, whose products would make the sums before an inf NaN: its
+    walks with an inf or a NaN are walked again with tl.cumsum). Both 16-bit dtypes: the
+    interpreter hands bfloat16 to a kernel as float32 (ejk_lite/launch.py), so on a CPU only
+    float16 takes the tensor cores."""
     import ejk_lite.cumsum as cumsum
 
     for two_pass in ([False, True] if config is None else [False]):
         monkeypatch.setattr(cumsum, "_TWO_PASS_MAX_BYTES", 1 << 40 if two_pass else 0)
         monkeypatch.setattr(cumsum, "_TWO_PASS_MAX_WALKS", 1 << 40)
         monkeypatch.setattr(cumsum, "_TWO_PASS_MAX_CHUNKS", 1 << 40)
-        x = np.asarray(make_input(rng, (2, 70, 4), "bfloat16"), np.float32)
+        x = np.asarray(make_input(rng, (2, 70, 4), dtype), np.float32)
         x[0, 20, 0] = -np.inf  # mid-block: tokens 16-19 must stay finite
         x[0, 21, 1], x[0, 50, 1] = -np.inf, np.inf
         x[1, 37, 2] = np.nan
-        x = jnp.asarray(x, jnp.bfloat16)
+        x = jnp.asarray(x, dtype)
         out = np.asarray(chunk_global_cumsum(x, reverse=reverse, output_dtype=jnp.float32, impl="triton",
                                              config=config), np.float64)
         ref = numpy_cumsum(x, reverse=reverse)

@@ -38,6 +38,23 @@ for dtype in ["float32", "bfloat16"]:
     jax.grad(lambda q: recurrent(q, k.astype(dtype), v.astype(dtype), g=gates["g"],
                                  impl="triton")[0].astype(jnp.float32).sum())(x)
 
+# chunk_global_cumsum's scan on the tensor cores, at each autotune tile that takes it (the
+# autotuner compiles them all on a GPU): both directions (the gradient is the reverse sum),
+# packed and not, both 16-bit dtypes, the head-first scalar layout (tokens contiguous), split.
+from ejk_lite import chunk_global_cumsum  # noqa: E402
+from ejk_lite.cumsum import _GLOBAL_16_BIT_TILES, CumsumConfig  # noqa: E402
+
+x = f32(1, 150, 4, 40)
+for tile in [t for t in _GLOBAL_16_BIT_TILES if t[-1]]:
+    for dtype, cu in [("bfloat16", None), ("float16", packed)]:
+        cfg = CumsumConfig(*tile)
+        jax.grad(lambda x: chunk_global_cumsum(x, cu_seqlens=cu, impl="triton", config=cfg)
+                 .astype(jnp.float32).sum())(x.astype(dtype))
+cfg = CumsumConfig(32, 16, 4, 3, split=2, tensor_cores=True)
+for shape, head_first in [((2, 3, 150), True), ((2, 150, 3, 8), False)]:
+    chunk_global_cumsum(f32(*shape).astype("bfloat16"), head_first=head_first, impl="triton",
+                        config=cfg)
+
 # blocksparse_attention at its default tiles (those of a real call; the unit tests use small
 # ones), over the features that change its kernels' constants: dtypes, head dims, lengths that
 # are and are not multiples of the tiles, the token rule's clauses and where positions come from

@@ -1,0 +1,127 @@
+"""Probe (not a bench): the global cumsum's walk with its scan on the tensor cores.
+
+Why: the walk of 16-bit inputs is bound by the instructions of ``tl.cumsum`` (the comment above
+``_GLOBAL_TILES`` in ejk_lite/cumsum.py: about one warp instruction per element for tall tiles,
+passing partial sums between lanes and warps). Here each block of ``BT`` tokens is scanned by
+two matrix products and no reduction at all:
+
+    sums  = L @ x + carry      L: [BT, BT] lower triangle of ones (exact in 16 bits)
+    carry = 1 @ x + carry      1: [BT, BT] ones: every row of carry is the running total
+
+``carry`` is a float32 [BT, BC] tile (every row the same), the products' accumulator, so the
+sums are float32 all the way: x is exact in 16 bits, the ones are exact, the products too.
+A float32 carry is the point: a carry rounded to 16 bits at every block would lose about
+2**-9 a block. Each config is checked against float64 (the script fails on an error past the
+tolerance) and timed: device time, 10 samples, min / median / max.
+
+    python3 bench/_probe_cumsum_tc.py            # GPU
+    python3 bench/_probe_cumsum_tc.py --quick    # interpreter: small shapes, checked only
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import ejk_lite  # noqa: E402, F401  (first: settles the Triton backend)
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from common import copy_methods_gbs, relative_error, time_stats_ms, tolerance  # noqa: E402
+from ejk_lite import chunk_global_cumsum  # noqa: E402
+from ejk_lite.launch import triton_call  # noqa: E402
+
+
+@triton.jit
+def tc_walk_kernel(x_ptr, T, out_ptr, C: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                   NUM_STAGES: tl.constexpr, ONE_DOT: tl.constexpr):
+    cols = tl.program_id(0) * BC + tl.arange(0, BC)
+    row = tl.program_id(1).to(tl.int64) * T * C
+    r = tl.arange(0, BT)
+    lower = (r[:, None] >= r[None, :]).to(x_ptr.dtype.element_ty)
+    ones = tl.full([BT, BT], 1.0, x_ptr.dtype.element_ty)
+    carry = tl.zeros([BT, BC], dtype=tl.float32)
+    for first in tl.range(0, T, BT, num_stages=NUM_STAGES):
+        tokens = first + r
+        offsets = row + tokens[:, None] * C + cols[None, :]
+        mask = (tokens < T)[:, None] & (cols < C)[None, :]
+        x = tl.load(x_ptr + offsets, mask=mask, other=0.0)
+        sums = tl.dot(lower, x, carry)
+        tl.store(out_ptr + offsets, sums.to(out_ptr.dtype.element_ty), mask=mask)
+        if ONE_DOT:  # the block's total from the sums' last row, broadcast (a reduction)
+            last = tl.sum(tl.where((r == BT - 1)[:, None], sums, 0.0), axis=0)
+            carry = tl.zeros([BT, BC], dtype=tl.float32) + last[None, :]
+        else:
+            carry = tl.dot(ones, x, carry)
+
+
+def tc_walk(x, bt, bc, warps, stages, one_dot=False):
+    b, t, h, k = x.shape
+    c = h * k
+    out = triton_call(x.reshape(b, t, c), t, kernel=tc_walk_kernel,
+                      out_shape=jax.ShapeDtypeStruct((b, t, c), x.dtype),
+                      grid=(triton.cdiv(c, bc), b), num_warps=warps, num_stages=stages,
+                      C=c, BT=bt, BC=bc, NUM_STAGES=stages, ONE_DOT=one_dot)
+    return out.reshape(x.shape)
+
+
+# (BT, BC, warps, stages, one_dot)
+TILES = [(64, 64, 4, 4, False), (64, 64, 4, 5, False), (64, 64, 4, 6, False),
+         (64, 64, 4, 8, False), (64, 128, 4, 4, False), (64, 128, 4, 6, False),
+         (128, 64, 4, 4, False), (128, 64, 4, 6, False), (64, 64, 8, 6, False),
+         (32, 64, 4, 6, False), (64, 128, 8, 4, False), (32, 128, 4, 6, False)]
+QUICK_TILES = [(16, 16, 1, 2, False), (32, 16, 2, 3, True)]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true")
+    args = p.parse_args()
+    shape = (2, 100, 2, 16) if args.quick else (4, 4096, 16, 128)
+    tiles = QUICK_TILES if args.quick else TILES
+    rng = np.random.default_rng(0)
+    copy = None
+    if not args.quick:
+        copy = max(copy_methods_gbs().values())
+        print(f"copy ceiling {copy:.0f} GB/s", flush=True)
+    failures = []
+    shapes = [shape] if args.quick else [shape, (8, 8192, 16, 128)]
+    for shape in shapes:
+        for dtype in ("bfloat16",):
+            x = jnp.asarray(rng.standard_normal(shape), dtype)
+            expected = np.cumsum(np.asarray(x, np.float64), axis=1)
+            fns = {"main walk (autotuned)": jax.jit(
+                lambda x: chunk_global_cumsum(x, impl="triton"))}
+            for tile in tiles:
+                fns["tc {}x{} {}w {}st one_dot={}".format(*tile)] = jax.jit(
+                    lambda x, tile=tile: tc_walk(x, *tile))
+            for name, fn in fns.items():
+                try:
+                    err = relative_error(fn(x), expected)
+                except Exception as e:  # noqa: BLE001  (a probe: report and go on)
+                    failures.append(f"{shape} {dtype} {name}: {type(e).__name__}: "
+                                    f"{str(e)[:300]}")
+                    print("FAILED", failures[-1], flush=True)
+                    continue
+                ok = err <= tolerance(dtype)
+                if not ok:
+                    failures.append(f"{shape} {dtype} {name}: relative error {err:.2e}")
+                line = f"{str(shape):18} {dtype:9} {name:32} rel err {err:.1e}" + (
+                    "" if ok else " FAILED")
+                if copy is not None:
+                    st = time_stats_ms(lambda: fn(x), 10)
+                    gbs = 2 * x.nbytes / st["median_ms"] / 1e6
+                    line += (f"  {st['median_ms']:.4f} ms ({st['min_ms']:.4f}-"
+                             f"{st['max_ms']:.4f})  {gbs:6.0f} GB/s  {100 * gbs / copy:5.1f}%")
+                print(line, flush=True)
+    if failures:
+        sys.exit("failed: " + "; ".join(failures))
+
+
+if __name__ == "__main__":
+    main()
