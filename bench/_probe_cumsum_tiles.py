@@ -1,5 +1,6 @@
 """Probe (not a bench): ``chunk_global_cumsum`` on the vector case at pinned tiles, wide ones
-among them, against its autotuned pick and the copy ceiling.
+among them, against its autotuned pick and the copy ceiling. (Session 24: now the scan on the
+tensor cores, pinned, against the autotuner's pick; the wide tiles below were session 23's.)
 
 Why: issue 19 wants the vector cumsum at >= 85% of copy; bfloat16 stays behind, bound by the
 instructions of ``tl.cumsum``'s passing of partial sums between lanes and warps (the comment
@@ -31,11 +32,10 @@ from common import copy_methods_gbs, relative_error, time_stats_ms, tolerance  #
 from ejk_lite import chunk_global_cumsum  # noqa: E402
 from ejk_lite.cumsum import CumsumConfig  # noqa: E402
 
-# (block_t, block_c, num_warps, num_stages, split)
-TILES = [(16, 1024, 4, 3, 1), (16, 1024, 4, 3, 8), (16, 512, 2, 3, 8), (32, 512, 2, 3, 8),
-         (16, 256, 1, 3, 8), (32, 256, 1, 3, 8), (32, 256, 1, 4, 16),
-         (64, 256, 1, 3, 4), (16, 512, 2, 4, 16)]
-QUICK_TILES = [(16, 32, 1, 3, 1), (16, 32, 1, 3, 4), (8, 64, 2, 2, 2)]
+# (block_t, block_c, num_warps, num_stages, split, tensor_cores)
+TILES = [(64, 64, 8, 6, 1, True), (64, 64, 4, 6, 1, True), (64, 128, 8, 4, 1, True),
+         (128, 32, 4, 3, 1, False)]
+QUICK_TILES = [(16, 32, 1, 3, 1, False), (16, 32, 1, 3, 4, True), (16, 64, 2, 2, 2, True)]
 
 
 def main():
@@ -54,14 +54,14 @@ def main():
         fns = {"autotuned": jax.jit(lambda x: chunk_global_cumsum(x, impl="triton"))}
         for t in tiles:
             cfg = CumsumConfig(*t)
-            fns["{}x{} {}w {}st split {}".format(*t)] = jax.jit(
+            fns["{}x{} {}w {}st split {} tensor cores {}".format(*t)] = jax.jit(
                 lambda x, cfg=cfg: chunk_global_cumsum(x, impl="triton", config=cfg))
         for name, fn in fns.items():
             err = relative_error(fn(x), expected)
             ok = err <= tolerance(dtype)
             if not ok:
                 failures.append(f"{dtype} {name}: relative error {err:.2e}")
-            line = f"{dtype:9} {name:26} rel err {err:.1e}{'' if ok else ' FAILED'}"
+            line = f"{dtype:9} {name:44} rel err {err:.1e}{'' if ok else ' FAILED'}"
             if copy is not None:
                 st = time_stats_ms(lambda: fn(x), 10)
                 gbs = n_bytes / st["median_ms"] / 1e6
