@@ -36,7 +36,7 @@ import numpy as np  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from common import copy_methods_gbs, relative_error, time_stats_ms, tolerance  # noqa: E402
+from common import copy_methods_gbs, probe_line  # noqa: E402
 from ejk_lite import chunk_global_cumsum, chunk_local_cumsum  # noqa: E402
 from ejk_lite.launch import triton_call  # noqa: E402
 
@@ -174,38 +174,25 @@ def main():
     for dtype in args.dtypes.split(","):
         x = jnp.asarray(rng.standard_normal(shape), dtype)
         expected = np.cumsum(np.asarray(x, np.float64), axis=1)
-        n_bytes = 2 * x.nbytes
+        # name: (function, checked against float64, the tile whose spins are counted)
         fns = {"main walk (autotuned)": (jax.jit(lambda x: chunk_global_cumsum(x, impl="triton")),
-                                         True),
+                                         True, None),
                "main local64 (no carry)": (jax.jit(
-                   lambda x: chunk_local_cumsum(x, 64, impl="triton")), False)}
+                   lambda x: chunk_local_cumsum(x, 64, impl="triton")), False, None)}
         for tile in tiles:
             seg, bc, warps, mode, window = tile[:5]
             name = f"mode {mode} {seg}x{bc} {warps}w W{window} ticket/sleep {tile[5:]}"
-            fns[name] = (jax.jit(lambda x, tile=tile: rts(x, *tile)), mode != 0)
+            fns[name] = (jax.jit(lambda x, tile=tile: rts(x, *tile)), mode != 0,
+                         tile if mode != 0 else None)
             if args.quick and mode == 1:
                 fns[name + " aggregates only"] = (jax.jit(
-                    lambda x, tile=tile: rts(x, *tile, test_aggregates=True)), True)
-        for name, (fn, checked) in fns.items():
-            try:
-                err = relative_error(fn(x), expected) if checked else float("nan")
-                if name.startswith("mode") and not name.startswith("mode 0"):
-                    _, counts = rts(x, *tile, diag=True)
-                    name += f" spins {int(counts[0])}, spun {int(counts[1])}"
-            except Exception as e:  # noqa: BLE001  (a probe: report and go on)
-                failures.append(f"{dtype} {name}: {type(e).__name__}: {str(e)[:300]}")
-                print(f"{dtype:9} {name:30} FAILED {failures[-1]}", flush=True)
-                continue
-            ok = not checked or err <= tolerance(dtype)
-            if not ok:
-                failures.append(f"{dtype} {name}: relative error {err:.2e}")
-            line = f"{dtype:9} {name:30} rel err {err:.1e}{'' if ok else ' FAILED'}"
-            if copy is not None:
-                st = time_stats_ms(lambda: fn(x), 10)
-                gbs = n_bytes / st["median_ms"] / 1e6
-                line += (f"  {st['median_ms']:.4f} ms ({st['min_ms']:.4f}-{st['max_ms']:.4f})"
-                         f"  {gbs:6.0f} GB/s  {100 * gbs / copy:5.1f}% of copy")
-            print(line, flush=True)
+                    lambda x, tile=tile: rts(x, *tile, test_aggregates=True)), True, None)
+        for name, (fn, checked, counted) in fns.items():
+            if counted is not None:  # the look-back's spins, counted in the kernel
+                _, counts = rts(x, *counted, diag=True)
+                name += f" spins {int(counts[0])}, spun {int(counts[1])}"
+            print(probe_line(f"{dtype:9} {name:30}", fn, x, expected, failures, copy, checked),
+                  flush=True)
     if failures:
         sys.exit("failed: " + "; ".join(failures))
 

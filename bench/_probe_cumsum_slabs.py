@@ -24,7 +24,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import ejk_lite.cumsum as cumsum  # noqa: E402
-from common import copy_methods_gbs, relative_error, time_stats_ms, tolerance  # noqa: E402
+from common import copy_methods_gbs, probe_line  # noqa: E402
 from ejk_lite import chunk_global_cumsum  # noqa: E402
 from ejk_lite.cumsum import CumsumConfig  # noqa: E402
 
@@ -62,17 +62,7 @@ def main():
                 jax.jit(lambda x, cfg=cfg: chunk_global_cumsum(x, impl="triton", config=cfg)),
                 x, expected)
         for name, (fn, arg, want) in cases.items():
-            err = relative_error(fn(arg), want)
-            ok = err <= tolerance(dtype)
-            if not ok:
-                failures.append(f"{dtype} {name}: relative error {err:.2e}")
-            line = f"{dtype:9} {name:30} rel err {err:.1e}{'' if ok else ' FAILED'}"
-            if copy is not None:
-                st = time_stats_ms(lambda: fn(arg), 10)
-                gbs = 2 * arg.nbytes / st["median_ms"] / 1e6
-                line += (f"  {st['median_ms']:.4f} ms ({st['min_ms']:.4f}-{st['max_ms']:.4f})"
-                         f"  {gbs:6.0f} GB/s  {100 * gbs / copy:5.1f}% of copy")
-            print(line, flush=True)
+            print(probe_line(f"{dtype:9} {name:30}", fn, arg, want, failures, copy), flush=True)
     if failures:
         sys.exit("failed: " + "; ".join(failures))
 

@@ -32,7 +32,7 @@ import numpy as np  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from common import copy_methods_gbs, relative_error, time_stats_ms, tolerance  # noqa: E402
+from common import copy_methods_gbs, probe_line  # noqa: E402
 from ejk_lite import chunk_global_cumsum  # noqa: E402
 from ejk_lite.launch import triton_call  # noqa: E402
 
@@ -101,24 +101,8 @@ def main():
                 fns["tc {}x{} {}w {}st one_dot={}".format(*tile)] = jax.jit(
                     lambda x, tile=tile: tc_walk(x, *tile))
             for name, fn in fns.items():
-                try:
-                    err = relative_error(fn(x), expected)
-                except Exception as e:  # noqa: BLE001  (a probe: report and go on)
-                    failures.append(f"{shape} {dtype} {name}: {type(e).__name__}: "
-                                    f"{str(e)[:300]}")
-                    print("FAILED", failures[-1], flush=True)
-                    continue
-                ok = err <= tolerance(dtype)
-                if not ok:
-                    failures.append(f"{shape} {dtype} {name}: relative error {err:.2e}")
-                line = f"{str(shape):18} {dtype:9} {name:32} rel err {err:.1e}" + (
-                    "" if ok else " FAILED")
-                if copy is not None:
-                    st = time_stats_ms(lambda: fn(x), 10)
-                    gbs = 2 * x.nbytes / st["median_ms"] / 1e6
-                    line += (f"  {st['median_ms']:.4f} ms ({st['min_ms']:.4f}-"
-                             f"{st['max_ms']:.4f})  {gbs:6.0f} GB/s  {100 * gbs / copy:5.1f}%")
-                print(line, flush=True)
+                print(probe_line(f"{str(shape):18} {dtype:9} {name:32}", fn, x, expected,
+                                 failures, copy), flush=True)
     if failures:
         sys.exit("failed: " + "; ".join(failures))
 

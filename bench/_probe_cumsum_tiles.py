@@ -28,7 +28,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from common import copy_methods_gbs, relative_error, time_stats_ms, tolerance  # noqa: E402
+from common import copy_methods_gbs, probe_line  # noqa: E402
 from ejk_lite import chunk_global_cumsum  # noqa: E402
 from ejk_lite.cumsum import CumsumConfig  # noqa: E402
 
@@ -50,24 +50,13 @@ def main():
     for dtype in ("float32", "bfloat16"):
         x = jnp.asarray(rng.standard_normal(shape), dtype)
         expected = np.cumsum(np.asarray(x, np.float64), axis=1)
-        n_bytes = 2 * x.nbytes
         fns = {"autotuned": jax.jit(lambda x: chunk_global_cumsum(x, impl="triton"))}
         for t in tiles:
             cfg = CumsumConfig(*t)
             fns["{}x{} {}w {}st split {} tensor cores {}".format(*t)] = jax.jit(
                 lambda x, cfg=cfg: chunk_global_cumsum(x, impl="triton", config=cfg))
         for name, fn in fns.items():
-            err = relative_error(fn(x), expected)
-            ok = err <= tolerance(dtype)
-            if not ok:
-                failures.append(f"{dtype} {name}: relative error {err:.2e}")
-            line = f"{dtype:9} {name:44} rel err {err:.1e}{'' if ok else ' FAILED'}"
-            if copy is not None:
-                st = time_stats_ms(lambda: fn(x), 10)
-                gbs = n_bytes / st["median_ms"] / 1e6
-                line += (f"  {st['median_ms']:.4f} ms ({st['min_ms']:.4f}-{st['max_ms']:.4f})"
-                         f"  {gbs:6.0f} GB/s  {100 * gbs / copy:5.1f}% of copy {copy:.0f}")
-            print(line, flush=True)
+            print(probe_line(f"{dtype:9} {name:44}", fn, x, expected, failures, copy), flush=True)
     if failures:
         sys.exit("failed: " + "; ".join(failures))
 

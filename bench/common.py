@@ -185,6 +185,31 @@ def time_stats_ms(fn: Callable[[], Any], samples: int = 10, warmup: int = 3,
     return spread(times)
 
 
+def probe_line(label: str, fn: Callable[[Any], Any], x: Any, expected: Any, failures: list[str],
+               copy_gbs: float | None, checked: bool = True) -> str:
+    """One printed line of a probe (``bench/_probe_*.py``): ``fn(x)`` checked against
+    ``expected`` (float64) by the tests' metric and tolerance, a failure (an error past it, or an
+    exception) appended to ``failures`` and the probe going on; with ``copy_gbs`` (on a GPU) also
+    timed: min / median / max ms of 10 samples, the GB/s of reading ``x`` once and writing as
+    many bytes, and that share of ``copy_gbs``. ``checked=False``: a bound whose result is
+    knowingly wrong (its error is printed, not judged)."""
+    try:
+        err = relative_error(fn(x), expected)
+    except Exception as e:  # noqa: BLE001  (a probe: report and go on)
+        failures.append(f"{label}: {type(e).__name__}: {str(e)[:300]}")
+        return f"{label} FAILED {failures[-1]}"
+    ok = not checked or err <= tolerance(x.dtype)
+    if not ok:
+        failures.append(f"{label}: relative error {err:.2e}")
+    line = f"{label} rel err {err:.1e}{'' if ok else ' FAILED'}"
+    if copy_gbs is not None:
+        st = time_stats_ms(lambda: fn(x), 10)
+        gbs = 2 * x.nbytes / st["median_ms"] / 1e6
+        line += (f"  {st['median_ms']:.4f} ms ({st['min_ms']:.4f}-{st['max_ms']:.4f})"
+                 f"  {gbs:6.0f} GB/s  {100 * gbs / copy_gbs:5.1f}% of copy")
+    return line
+
+
 def device_samples_ms(run: Callable[[], Any], samples: int = 10, warmup: int = 3,
                       grad_to_none: list[Any] | None = None, one_trace: bool = False
                       ) -> list[float]:

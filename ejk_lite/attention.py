@@ -49,7 +49,7 @@ import triton
 import triton.language as tl
 from jax import Array
 
-from ejk_lite.launch import triton_call
+from ejk_lite.launch import max_shared_memory, triton_call
 from ejk_lite.checks import next_power_of_2, power_of_two, resolve_impl, static_int
 from ejk_lite.masking import (EMPTY, BlockMask, TokenRule, build_block_mask, check_block_mask,
                               check_layout, combine_rules, dense_mask, restrict, token_rule)
@@ -94,12 +94,28 @@ class BlockSizes:
             object.__setattr__(self, field.name, value)
 
     @staticmethod
-    def forward(head_dim: int, dtype: Any = jnp.bfloat16, pair_tiles: bool = False
-                ) -> BlockSizes:
+    def forward(head_dim: int, dtype: Any = jnp.bfloat16, bias: bool = False,
+                mask: bool = False, shared_memory: int | None = None) -> BlockSizes:
         """Defaults measured on an H100 (bench/attention.py); float32 tiles are twice the bytes, so
-        smaller (at 128 x 64 with three stages they overflow shared memory). ``pair_tiles``: the
-        kernel also loads a tile per (query, key) pair of a block, a ``bias`` or a dense
-        ``attention_mask``: a third buffer in every pipeline stage."""
+        smaller (at 128 x 64 with three stages they overflow shared memory). ``bias``, ``mask``:
+        the kernel also loads a tile per (query, key) pair of a block, of a ``bias`` or a dense
+        ``attention_mask``: a third buffer in every pipeline stage.
+
+        ``shared_memory``: the bytes a block may use on the GPU (``None``: GPU 0's, from the
+        driver; no driver: the defaults). The defaults were chosen on Hopper GPUs (232448
+        bytes); on one with less (an A100: 166912; sm_86 and sm_89: 101376) some of them ask
+        for more than there is, and the driver would refuse the launch. There the first of
+        :data:`_SMALLER_FORWARDS` that fits is taken instead: fewer stages, then smaller tiles,
+        by the bytes :data:`_SM80_FORWARD_SHARED` records."""
+        default = BlockSizes._hopper_forward(head_dim, dtype, bias or mask)
+        limit = max_shared_memory() if shared_memory is None else shared_memory
+        if limit is None or limit >= _HOPPER_SHARED_MEMORY:
+            return default
+        return _fitting_forward(default, head_dim, jnp.dtype(dtype).itemsize, bias, mask, limit)
+
+    @staticmethod
+    def _hopper_forward(head_dim: int, dtype: Any, pair_tiles: bool) -> BlockSizes:
+        """The forward's defaults on a Hopper GPU (:meth:`forward`)."""
         if jnp.dtype(dtype).itemsize >= 4:
             return (BlockSizes(64, 64, num_warps=4, num_stages=2) if head_dim <= 128
                     else BlockSizes(32, 32, 4, 1))
@@ -137,6 +153,74 @@ class BlockSizes:
         return BlockSizes(32, 32, num_warps=4, num_stages=1)
 
 
+
+
+# The forward on GPUs with less shared memory than Hopper's. _SM80_FORWARD_SHARED: the bytes a
+# block asks for, compiled for sm_80 as jax-triton compiles (tools/forward_shared_memory.py:
+# the larger of the kernel's two launches, the optimistic one and the retry), by (bytes an
+# element, head dim padded to a power of two, block_q, block_kv, warps, stages, pair tile:
+# "none", "bias" (float32) or "mask"). _SMALLER_FORWARDS: for (bytes an element, padded head
+# dim), the default first, then fewer stages, then smaller tiles. Compiled, never timed: no GPU
+# with less shared memory than an H100's has run them here.
+_HOPPER_SHARED_MEMORY = 232448
+_SMALLER_FORWARDS = {
+    (2, 128): [(128, 128, 8, 3), (128, 128, 8, 2), (128, 128, 8, 1), (128, 64, 4, 2),
+               (128, 64, 4, 1), (64, 64, 4, 2), (64, 64, 4, 1)],
+    (2, 64): [(128, 64, 4, 3), (128, 64, 4, 2), (128, 64, 4, 1), (64, 64, 4, 1)],
+    (4, 128): [(64, 64, 4, 2), (64, 64, 4, 1), (64, 32, 4, 2), (64, 32, 4, 1), (32, 32, 4, 2),
+               (32, 32, 4, 1)],
+    (4, 64): [(64, 64, 4, 2), (64, 64, 4, 1), (64, 32, 4, 2), (64, 32, 4, 1), (32, 32, 4, 1)],
+}
+_SM80_FORWARD_SHARED = {
+    (2, 128, 128, 128, 8, 3): dict(none=229376, bias=327680, mask=229376),
+    (2, 128, 128, 128, 8, 2): dict(none=163840, bias=196608, mask=163840),
+    (2, 128, 128, 128, 8, 1): dict(none=98304, bias=98304, mask=98304),
+    (2, 128, 128, 64, 4, 2): dict(none=98304, bias=114688, mask=98304),
+    (2, 128, 128, 64, 4, 1): dict(none=65536, bias=81920, mask=65536),
+    (2, 128, 64, 64, 4, 2): dict(none=73728, bias=90112, mask=81920),
+    (2, 128, 64, 64, 4, 1): dict(none=40960, bias=40960, mask=49152),
+    (2, 64, 128, 64, 4, 3): dict(none=73728, bias=122880, mask=73728),
+    (2, 64, 128, 64, 4, 2): dict(none=57344, bias=73728, mask=57344),
+    (2, 64, 128, 64, 4, 1): dict(none=40960, bias=32768, mask=40960),
+    (2, 64, 64, 64, 4, 1): dict(none=24576, bias=24576, mask=32768),
+    (4, 128, 64, 64, 4, 2): dict(none=229376, bias=245760, mask=245760),
+    (4, 128, 64, 64, 4, 1): dict(none=163840, bias=163840, mask=180224),
+    (4, 128, 64, 32, 4, 2): dict(none=147456, bias=155648, mask=155648),
+    (4, 128, 64, 32, 4, 1): dict(none=114688, bias=114688, mask=122880),
+    (4, 128, 32, 32, 4, 2): dict(none=106496, bias=110592, mask=110592),
+    (4, 128, 32, 32, 4, 1): dict(none=73728, bias=73728, mask=77824),
+    (4, 64, 64, 64, 4, 2): dict(none=98304, bias=114688, mask=98304),
+    (4, 64, 64, 64, 4, 1): dict(none=65536, bias=65536, mask=65536),
+    (4, 64, 64, 32, 4, 2): dict(none=65536, bias=73728, mask=65536),
+    (4, 64, 64, 32, 4, 1): dict(none=49152, bias=49152, mask=49152),
+    (4, 64, 32, 32, 4, 1): dict(none=40960, bias=40960, mask=45056),
+}
+
+
+def _fitting_forward(default: BlockSizes, head_dim: int, itemsize: int, bias: bool, mask: bool,
+                     limit: int) -> BlockSizes:
+    """The first of ``_SMALLER_FORWARDS`` whose recorded bytes fit ``limit`` (with a bias and a
+    mask both, the bias's bytes plus what the mask adds); if none fits, the smallest (and the
+    launch's shared-memory check names ``fwd_blocks``). ``default`` where nothing is recorded:
+    head dims past 128."""
+    key = (itemsize, next_power_of_2(max(head_dim, 64)))
+    candidates = _SMALLER_FORWARDS.get(key, [])
+    for tiles in candidates:
+        if _forward_shared_bytes(key + tiles, bias, mask) <= limit:
+            break
+    else:
+        if not candidates:
+            return default
+    block_q, block_kv, num_warps, num_stages = tiles
+    return dataclasses.replace(default, block_q=block_q, block_kv=block_kv,
+                               num_warps=num_warps, num_stages=num_stages)
+
+
+def _forward_shared_bytes(config: tuple[int, ...], bias: bool, mask: bool) -> int:
+    """Recorded bytes of the forward at ``config`` (a key of ``_SM80_FORWARD_SHARED``)."""
+    shared = _SM80_FORWARD_SHARED[config]
+    return (shared["bias"] if bias else shared["none"]) + (
+        shared["mask"] - shared["none"] if mask else 0)
 @dataclasses.dataclass(frozen=True)
 class _Static:
     """Everything the kernels are specialised on (hashable: custom_vjp's non-differentiable arg)."""
@@ -1546,9 +1630,9 @@ def blocksparse_attention(
                                       kv_positions, softmax_aux, bias, attention_mask,
                                       logits_soft_cap, qkv_layouts, softmax_scale, mask_builder,
                                       sliding_window, chunk_size, causal, default_block)
-    pair_tiles = bias is not None or (spec.rule is not None
-                                      and spec.rule.attention_mask is not None)
-    fwd = fwd_blocks or BlockSizes.forward(D, dtype, pair_tiles)
+    fwd = fwd_blocks or BlockSizes.forward(
+        D, dtype, bias=bias is not None,
+        mask=spec.rule is not None and spec.rule.attention_mask is not None)
     fwd, dkv, dq = _fit(fwd, spec), _fit(dkv, spec), _fit(dq, spec)
     for blocks in (fwd, dkv, dq):
         power_of_two(blocks.block_q, "block_q")

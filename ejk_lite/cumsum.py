@@ -44,7 +44,9 @@ Implementations (``impl=``):
   ``SPLIT`` reads spans again, mostly from L2). Small inputs (``_TWO_PASS_MAX_BYTES``) of
   sequences of at most ``_TWO_PASS_MAX_CHUNKS`` chunks take the global cumsum in two passes
   instead: chunk totals, then the local kernel with each chunk starting from the totals before
-  it. Under ``jax.vmap`` the mapped axis is folded into the rows: a batch is one launch.
+  it. A 16-bit input's global walk may scan each block on the tensor cores instead of with
+  ``tl.cumsum`` (``USE_DOT``: two products with triangles of ones, see :func:`_scan_span`).
+  Under ``jax.vmap`` the mapped axis is folded into the rows: a batch is one launch.
 * ``"xla"``: plain ``jax.numpy``/``lax`` ops, differentiated by JAX itself.
 * ``"auto"``: Triton on a GPU, XLA otherwise (the interpreter is for testing, not for speed).
 
@@ -461,12 +463,14 @@ def _local_autotuned(chunk_size: int):
 # stages 89.4%, 64 x 64 with 8 warps at 6 85.2% (the walk 51.6%). float16 ran as bfloat16 did
 # (64 x 32, 4 warps, 4 stages: 71.6% and 72.9%). So 16-bit inputs autotune over the walk's
 # tiles and one of these (_GLOBAL_16_BIT_TILES); float32 ones (their products would be TF32,
-# rounded) over the walk's only. One, the benchmark's best, not five: with the probe's best five
-# in the list the autotuner (which times each config on the call's own inputs, again and again,
-# so with the L2 warm, where the probe flushed it) chose a tile that ran the benchmark at 0.0377
-# ms, 83% (bench/cumsum.py at 867d172, H200). A walk of 16-bit tensor-core tiles longer than
-# the benchmark's may want 64 x 128 (91.9% at [8, 8192, 16, 128] above): not taken, since it
-# ran the benchmark at 57.6%.
+# rounded) over the walk's only. One, the benchmark's best, not five: bench/cumsum.py (H200)
+# ran the bfloat16 global vector case at 0.0377 ms forward, 83% of copy, with the probe's best
+# five in the list (867d172) and with this one alone (5aab3e4), and every autotune config is
+# compiled at a first call. The package's kernel runs a little behind the probe's (it also masks
+# for packed sequences and padding, and scales; which of these costs was not measured): pinned
+# to this tile 84.4%, autotuned 84.8%, in one run of bench/_probe_cumsum_tiles.py (H200,
+# 5aab3e4), where the probe's kernel gave 85.7% in a run of its own. Longer inputs may want
+# 64 x 128 (91.9% at [8, 8192, 16, 128] above): not listed, since it ran the benchmark at 57.6%.
 _GLOBAL_TILES = [  # (BLOCK_T, BLOCK_C, num_warps, NUM_STAGES, SPLIT, USE_DOT)
     (64, 32, 4, 3, 1, False),  # first: CumsumConfig()'s default, what the interpreter runs
     (128, 32, 4, 3, 1, False),

@@ -279,6 +279,54 @@ def test_default_tiles_fit_shared_memory():
     assert found and int(found[2]) >= 6 and found[3] == "0", done.stdout[-3000:]
 
 
+def test_default_tiles_fit_an_a100():
+    """On a GPU with less shared memory than Hopper's (an A100: 166912 bytes a block), the default
+    tiles take fewer stages or smaller tiles and compile for sm_80 within it: bfloat16 D64 and
+    D128, float32 D128, plain, with a bias and with a mask, forward and backward (the Hopper
+    defaults ask for up to 327680 bytes there: tools/forward_shared_memory.py)."""
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # it must compile
+    done = subprocess.run([sys.executable, str(root / "tools" / "compile_check.py"), "--package",
+                           str(root / "tests" / "shared_memory_a100_child.py"), "--arch", "80"],
+                          capture_output=True, text=True, cwd=root, env=env, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    found = re.search(r"(\d+) distinct package launches, (\d+) compiles ok, (\d+) failed",
+                      done.stdout)
+    assert found and int(found[2]) >= 27 and found[3] == "0", done.stdout[-3000:]
+
+
+@pytest.mark.parametrize("limit", [None, 232448, 300000, 166912, 101376, 40000])
+@pytest.mark.parametrize("dtype, head_dim", [(jnp.bfloat16, 128), (jnp.bfloat16, 64),
+                                             (jnp.float16, 96), (jnp.float32, 128),
+                                             (jnp.float32, 64), (jnp.bfloat16, 256)])
+def test_forward_defaults_follow_shared_memory(limit, dtype, head_dim):
+    """``BlockSizes.forward`` keeps the Hopper defaults where a block has Hopper's shared memory or
+    more (or no driver says); with less, the first config of ``_SMALLER_FORWARDS`` whose recorded
+    sm_80 bytes fit, the default first (fewer stages, then smaller tiles); the smallest where
+    none fits; the default where nothing is recorded (head dim 256)."""
+    from ejk_lite.attention import _SMALLER_FORWARDS, _forward_shared_bytes
+
+    itemsize = jnp.dtype(dtype).itemsize
+    key = (itemsize, 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256)
+    for bias, mask in [(False, False), (True, False), (False, True), (True, True)]:
+        hopper = BlockSizes._hopper_forward(head_dim, dtype, bias or mask)
+        got = BlockSizes.forward(head_dim, dtype, bias=bias, mask=mask, shared_memory=limit)
+        tiles = (got.block_q, got.block_kv, got.num_warps, got.num_stages)
+        if limit is None or limit >= 232448 or key not in _SMALLER_FORWARDS:
+            assert got == hopper
+            continue
+        configs = _SMALLER_FORWARDS[key]
+        plain = BlockSizes._hopper_forward(head_dim, dtype, False)  # the list starts from it
+        assert configs[0] == (plain.block_q, plain.block_kv, plain.num_warps, plain.num_stages)
+        fits = [c for c in configs if _forward_shared_bytes(key + c, bias, mask) <= limit]
+        assert tiles == (fits[0] if fits else configs[-1]), (bias, mask)
+        if fits:
+            assert _forward_shared_bytes(key + tiles, bias, mask) <= limit
+    # an A100 does not take the Hopper default of bfloat16 D128 (229376 bytes on sm_80)
+    if limit == 166912 and (dtype, head_dim) == (jnp.bfloat16, 128):
+        assert BlockSizes.forward(head_dim, dtype, shared_memory=limit).num_stages == 2
+
+
 @pytest.mark.skipif(not ejk_lite.ON_GPU, reason="jax-triton compiles for the GPU only on a GPU")
 @pytest.mark.parametrize("pair", ["bias", "attention_mask"])
 def test_tiles_past_shared_memory(pair, rng):

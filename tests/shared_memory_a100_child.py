@@ -1,0 +1,21 @@
+"""Launches that ``test_attention.test_default_tiles_fit_an_a100`` compiles for sm_80 (through
+``tools/compile_check.py --package``): the forward and backward at the default tiles that a GPU
+with an A100's shared memory (166912 bytes a block) gets, bfloat16 at D64 and D128 and float32
+at D128, plain, with a bias and with a dense attention_mask."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import ejk_lite.attention
+from ejk_lite import blocksparse_attention
+
+ejk_lite.attention.max_shared_memory = lambda: 166912  # what an A100's driver reports
+rng = np.random.default_rng(0)
+T = 130
+for dtype, D in [("bfloat16", 128), ("bfloat16", 64), ("float32", 128)]:
+    q = jnp.asarray(rng.standard_normal((1, 2, T, D)), dtype)
+    k = jnp.asarray(rng.standard_normal((1, 1, T, D)), dtype)
+    for kw in [dict(), dict(bias=jnp.asarray(rng.standard_normal((1, 2, T, T)), jnp.float32)),
+               dict(attention_mask=jnp.asarray(rng.random((1, 1, T, T)) < 0.5))]:
+        jax.grad(lambda q, kw=kw: blocksparse_attention(q, k, k, **kw, impl="triton")
+                 .astype(jnp.float32).sum())(q)
