@@ -200,7 +200,8 @@ _SM80_FORWARD_SHARED = {
 def _fitting_forward(default: BlockSizes, head_dim: int, itemsize: int, bias: bool, mask: bool,
                      limit: int) -> BlockSizes:
     """The first of ``_SMALLER_FORWARDS`` whose recorded bytes fit ``limit`` (with a bias and a
-    mask both, the bias's bytes plus what the mask adds); if none fits, the smallest (and the
+    mask both, the bias's bytes plus what the mask adds: an estimate, that pair was not
+    compiled, and the bytes are not additive everywhere); if none fits, the smallest (and the
     launch's shared-memory check names ``fwd_blocks``). ``default`` where nothing is recorded:
     head dims past 128."""
     key = (itemsize, next_power_of_2(max(head_dim, 64)))

@@ -233,7 +233,8 @@ def _scan_span(
 
     ``running`` is a float32 ``[BLOCK_T, BLOCK_C]`` tile whose every row is the carry, and it is
     both products' accumulator: x and the ones are exact in 16 bits, so are their products, and
-    every sum is float32 (a carry rounded to 16 bits would lose up to 2**-9 of it a block). Why:
+    every sum is accumulated at float32 width (the tensor cores' own rounding, not IEEE's; a
+    carry rounded to 16 bits would lose up to 2**-8 of it a block in bfloat16). Why:
     ``tl.cumsum`` of a tall tile passes partial sums between lanes and warps, about one warp
     instruction per element, which bounds a 16-bit walk (the comment above ``_GLOBAL_TILES``).
 

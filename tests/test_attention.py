@@ -299,13 +299,14 @@ def test_default_tiles_fit_an_a100():
 @pytest.mark.parametrize("dtype, head_dim", [(jnp.bfloat16, 128), (jnp.bfloat16, 64),
                                              (jnp.float16, 96), (jnp.float32, 128),
                                              (jnp.float32, 64), (jnp.bfloat16, 256)])
-def test_forward_defaults_follow_shared_memory(limit, dtype, head_dim):
+def test_forward_defaults_follow_shared_memory(limit, dtype, head_dim, monkeypatch):
     """``BlockSizes.forward`` keeps the Hopper defaults where a block has Hopper's shared memory or
     more (or no driver says); with less, the first config of ``_SMALLER_FORWARDS`` whose recorded
     sm_80 bytes fit, the default first (fewer stages, then smaller tiles); the smallest where
     none fits; the default where nothing is recorded (head dim 256)."""
     from ejk_lite.attention import _SMALLER_FORWARDS, _forward_shared_bytes
 
+    monkeypatch.setattr(ejk_lite.attention, "max_shared_memory", lambda: None)  # "no driver"
     itemsize = jnp.dtype(dtype).itemsize
     key = (itemsize, 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256)
     for bias, mask in [(False, False), (True, False), (False, True), (True, True)]:
