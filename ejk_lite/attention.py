@@ -50,7 +50,7 @@ import triton.language as tl
 from jax import Array
 
 from ejk_lite.launch import max_shared_memory, triton_call
-from ejk_lite.checks import next_power_of_2, power_of_two, resolve_impl, static_int
+from ejk_lite.checks import next_power_of_2, power_of_two, resolve_impl, static_bool, static_int
 from ejk_lite.masking import (EMPTY, BlockMask, TokenRule, build_block_mask, check_block_mask,
                               check_layout, combine_rules, dense_mask, restrict, token_rule)
 from ejk_lite import sequence_parallel
@@ -106,7 +106,9 @@ class BlockSizes:
         bytes); on one with less (an A100: 166912; sm_86 and sm_89: 101376) some of them ask
         for more than there is, and the driver would refuse the launch. There the first of
         :data:`_SMALLER_FORWARDS` that fits is taken instead: fewer stages, then smaller tiles,
-        by the bytes :data:`_SM80_FORWARD_SHARED` records."""
+        by the bytes :data:`_SM80_FORWARD_SHARED` records, starting from the Hopper default
+        (never more stages than it has)."""
+        bias, mask = static_bool(bias, "bias"), static_bool(mask, "mask")
         default = BlockSizes._hopper_forward(head_dim, dtype, bias or mask)
         limit = max_shared_memory() if shared_memory is None else shared_memory
         if limit is None or limit >= _HOPPER_SHARED_MEMORY:
@@ -199,13 +201,20 @@ _SM80_FORWARD_SHARED = {
 
 def _fitting_forward(default: BlockSizes, head_dim: int, itemsize: int, bias: bool, mask: bool,
                      limit: int) -> BlockSizes:
-    """The first of ``_SMALLER_FORWARDS`` whose recorded bytes fit ``limit`` (with a bias and a
-    mask both, the bias's bytes plus what the mask adds: an estimate, that pair was not
-    compiled, and the bytes are not additive everywhere); if none fits, the smallest (and the
-    launch's shared-memory check names ``fwd_blocks``). ``default`` where nothing is recorded:
-    head dims past 128."""
+    """The first of ``_SMALLER_FORWARDS``, from ``default`` on, whose recorded bytes fit
+    ``limit`` (with a bias and a mask both, the bias's bytes plus what the mask adds: an
+    estimate, that pair was not compiled, and the bytes are not additive everywhere); if none
+    fits, the smallest (and the launch's shared-memory check names ``fwd_blocks``). ``default``
+    where nothing is recorded: head dims past 128.
+
+    From the default on, not from the list's first: with a bias or a mask the default has two
+    stages where the list starts at three (sm_90 overflows at three, 262144 bytes with a mask),
+    and sm_80's bytes (229376 with a mask) would let a limit just below Hopper's take three."""
     key = (itemsize, next_power_of_2(max(head_dim, 64)))
     candidates = _SMALLER_FORWARDS.get(key, [])
+    start = (default.block_q, default.block_kv, default.num_warps, default.num_stages)
+    if start in candidates:
+        candidates = candidates[candidates.index(start):]
     for tiles in candidates:
         if _forward_shared_bytes(key + tiles, bias, mask) <= limit:
             break

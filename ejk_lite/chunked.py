@@ -171,6 +171,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -182,7 +183,7 @@ from jax import Array
 from ejk_lite import sequence_parallel
 from ejk_lite.checks import resolve_impl, static_int
 from ejk_lite.cumsum import chunk_local_cumsum
-from ejk_lite.launch import ON_GPU, triton_call, vmap_by_folding
+from ejk_lite.launch import ON_GPU, max_shared_memory, triton_call, vmap_by_folding
 from ejk_lite.packing import cdiv, prepare_chunk_indices, prepare_chunk_offsets, sanitize_cu_seqlens
 
 # recurrent's argument checks and its plain-JAX reference: one import, so that moving them is a
@@ -238,6 +239,10 @@ class KernelConfig:
             raise ValueError(f"KernelConfig.num_stages must be >= 1, got {self.num_stages}")
         if self.unroll not in (1, 2, 4, 8, 16):
             raise ValueError(f"KernelConfig.unroll must be 1, 2, 4, 8 or 16, got {self.unroll}")
+
+
+# The most shared memory the defaults take a block (float32, K or V >= 128; ChunkedConfig.default).
+_FLOAT32_DEFAULT_SHARED = 131072
 
 
 @dataclasses.dataclass(frozen=True)
@@ -355,6 +360,29 @@ class ChunkedConfig:
     # sub-chunk blocks of the other chunks, per K tile; 16-bit inputs only; None: never. See
     # the module docstring ("Mild gates") for the bound.
     fast_decay: float | None = 20.0
+
+    @staticmethod
+    def default(dtype: Any = jnp.bfloat16, shared_memory: int | None = None) -> ChunkedConfig:
+        """The config a call with ``config=None`` takes, for inputs of ``dtype`` on a GPU whose
+        blocks may use ``shared_memory`` bytes (``None``: GPU 0's, from the driver; no driver:
+        ``ChunkedConfig()``).
+
+        The defaults were timed on Hopper GPUs (232448 bytes a block). With float32 inputs and
+        K or V of 128 or more, two of their forward kernels compile to 131072 bytes for sm_89
+        (``_fused_output_kernel`` at 3 stages, ``_gk_attention_kernel`` at 2:
+        ``tools/compile_check.py --package --arch 89 --shared``), past the 101376 of sm_86 and
+        sm_89 (RTX 30xx and 40xx, A10, L4), where the driver would refuse the launch. So with
+        less than 131072 bytes, float32 inputs take ``fused_output`` at 2 stages and
+        ``attention`` at 1: 65536 bytes each there. Compiled, never timed: no such GPU has run
+        them here. 16-bit inputs keep the defaults (every kernel within 101376 bytes, same
+        check)."""
+        config = ChunkedConfig()
+        limit = max_shared_memory() if shared_memory is None else shared_memory
+        if limit is None or limit >= _FLOAT32_DEFAULT_SHARED or jnp.dtype(dtype).itemsize < 4:
+            return config
+        return dataclasses.replace(
+            config, fused_output=dataclasses.replace(config.fused_output, num_stages=2),
+            attention=dataclasses.replace(config.attention, num_stages=1))
 
     @classmethod
     def kernel_fields(cls) -> tuple[str, ...]:
@@ -2234,7 +2262,7 @@ def chunked_recurrent(
     if chunk_size not in (16, 32, 64, 128):
         raise ValueError(f"chunk_size must be 16, 32, 64 or 128, got {chunk_size}")
     if config is None:
-        config = ChunkedConfig()
+        config = ChunkedConfig.default(query.dtype)
     elif not isinstance(config, ChunkedConfig):
         raise ValueError(f"config must be a ChunkedConfig, got {type(config).__name__}")
     scale = _scale(softmax_scale, query.shape[-1])

@@ -1,7 +1,12 @@
-"""Shared test helpers: fresh random inputs, float64 references, relative errors."""
+"""Shared test helpers: fresh random inputs, float64 references, relative errors, offline
+compiles."""
 
 import os
+import re
+import subprocess
+import sys
 import zlib
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -39,3 +44,22 @@ def rng(request):
     seed = zlib.crc32(request.node.nodeid.encode()) if os.environ.get("EJK_RANDOM_SEED") is None \
         else int(os.environ["EJK_RANDOM_SEED"])
     return np.random.default_rng(seed)
+
+
+def compiled_package_launches(child: str, arch: int, shared_memory: int | None = None) -> int:
+    """Run ``tools/compile_check.py --package tests/<child> --arch <arch>`` (the child's launches,
+    recorded in the interpreter, compiled as jax-triton compiles them); assert that none failed
+    and return how many compiled. ``shared_memory``: handed to the child as
+    ``EJK_LITE_TEST_SHARED_MEMORY``, the bytes a block of the GPU it stands for may use."""
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # it must compile
+    if shared_memory is not None:
+        env["EJK_LITE_TEST_SHARED_MEMORY"] = str(shared_memory)
+    done = subprocess.run([sys.executable, str(root / "tools" / "compile_check.py"), "--package",
+                           str(root / "tests" / child), "--arch", str(arch)],
+                          capture_output=True, text=True, cwd=root, env=env, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    found = re.search(r"(\d+) distinct package launches, (\d+) compiles ok, (\d+) failed",
+                      done.stdout)
+    assert found and found[3] == "0", done.stdout[-3000:]
+    return int(found[2])

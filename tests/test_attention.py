@@ -12,18 +12,13 @@ denominator, soft cap before bias, rows with nothing visible) cannot pass unnoti
 import dataclasses
 import functools
 import importlib
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TOLERANCE, rel_err, tolerance
+from conftest import TOLERANCE, compiled_package_launches, rel_err, tolerance
 
 import ejk_lite
 from ejk_lite import BlockMask, blocksparse_attention, make_block_mask
@@ -271,39 +266,38 @@ def test_default_tiles_fit_shared_memory():
     assert compiled_package_launches("shared_memory_child.py", arch=90) >= 6
 
 
-def compiled_package_launches(child: str, arch: int) -> int:
-    """Run ``tools/compile_check.py --package tests/<child> --arch <arch>`` (the child's launches,
-    recorded in the interpreter, compiled as jax-triton compiles them); assert that none failed
-    and return how many compiled."""
-    root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # it must compile
-    done = subprocess.run([sys.executable, str(root / "tools" / "compile_check.py"), "--package",
-                           str(root / "tests" / child), "--arch", str(arch)],
-                          capture_output=True, text=True, cwd=root, env=env, timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    found = re.search(r"(\d+) distinct package launches, (\d+) compiles ok, (\d+) failed",
-                      done.stdout)
-    assert found and found[3] == "0", done.stdout[-3000:]
-    return int(found[2])
+@pytest.mark.parametrize("bad", [jnp.ones(3, bool), 1, "yes", None])
+@pytest.mark.parametrize("name", ["bias", "mask"])
+def test_forward_defaults_refuse_what_is_not_a_bool(name, bad):
+    """``bias`` and ``mask`` of ``BlockSizes.forward`` say whether the call has one: an array (the
+    bias itself, passed by mistake) or another non-bool is a ValueError naming the argument, not
+    an error from ``bias or mask`` deep inside."""
+    with pytest.raises(ValueError, match=f"^{name} must be True or False"):
+        BlockSizes.forward(128, jnp.bfloat16, **{name: bad}, shared_memory=166912)
 
 
-def test_default_tiles_fit_an_a100():
-    """On a GPU with less shared memory than Hopper's (an A100: 166912 bytes a block), the default
-    tiles take fewer stages or smaller tiles and compile for sm_80 within it: bfloat16 D64 and
-    D128, float32 D128, plain, with a bias and with a mask, forward and backward (the Hopper
-    defaults ask for up to 327680 bytes there: tools/forward_shared_memory.py)."""
-    assert compiled_package_launches("shared_memory_a100_child.py", arch=80) >= 27
+@pytest.mark.parametrize("arch, limit", [(80, 166912), (89, 101376)])
+def test_default_tiles_fit_smaller_gpus(arch, limit):
+    """On a GPU with less shared memory than Hopper's (an A100: 166912 bytes a block; sm_86 and
+    sm_89, RTX 30xx and 40xx, A10, L4: 101376), the default tiles take fewer stages or smaller
+    tiles and compile within it: bfloat16 D64 and D128, float32 D128, plain, with a bias and
+    with a mask, forward and backward (the Hopper defaults ask for up to 327680 bytes on sm_80:
+    tools/forward_shared_memory.py). The backward keeps its defaults, which fit both."""
+    assert compiled_package_launches("smaller_gpu_attention_child.py", arch=arch,
+                                     shared_memory=limit) >= 27
 
 
-@pytest.mark.parametrize("limit", [None, 232448, 300000, 166912, 101376, 40000])
+@pytest.mark.parametrize("limit", [None, 232448, 300000, 230000, 166912, 101376, 40000])
 @pytest.mark.parametrize("dtype, head_dim", [(jnp.bfloat16, 128), (jnp.bfloat16, 64),
                                              (jnp.float16, 96), (jnp.float32, 128),
                                              (jnp.float32, 64), (jnp.bfloat16, 256)])
 def test_forward_defaults_follow_shared_memory(limit, dtype, head_dim, monkeypatch):
     """``BlockSizes.forward`` keeps the Hopper defaults where a block has Hopper's shared memory or
-    more (or no driver says); with less, the first config of ``_SMALLER_FORWARDS`` whose recorded
-    sm_80 bytes fit, the default first (fewer stages, then smaller tiles); the smallest where
-    none fits; the default where nothing is recorded (head dim 256)."""
+    more (or no driver says); with less, the first config of ``_SMALLER_FORWARDS`` from the
+    Hopper default on (fewer stages, then smaller tiles) whose recorded sm_80 bytes fit; the
+    smallest where none fits; the default where nothing is recorded (head dim 256). Never more
+    stages than the Hopper default: 230000 bytes hold the plain default's three stages with a
+    mask on sm_80 (229376), but the default with a mask takes two."""
     from ejk_lite.attention import _SMALLER_FORWARDS, _forward_shared_bytes
 
     monkeypatch.setattr(ejk_lite.attention, "max_shared_memory", lambda: None)  # "no driver"
@@ -319,8 +313,11 @@ def test_forward_defaults_follow_shared_memory(limit, dtype, head_dim, monkeypat
         configs = _SMALLER_FORWARDS[key]
         plain = BlockSizes._hopper_forward(head_dim, dtype, False)  # the list starts from it
         assert configs[0] == (plain.block_q, plain.block_kv, plain.num_warps, plain.num_stages)
+        configs = configs[configs.index(
+            (hopper.block_q, hopper.block_kv, hopper.num_warps, hopper.num_stages)):]
         fits = [c for c in configs if _forward_shared_bytes(key + c, bias, mask) <= limit]
         assert tiles == (fits[0] if fits else configs[-1]), (bias, mask)
+        assert got.num_stages <= hopper.num_stages, (bias, mask)
         if fits:
             assert _forward_shared_bytes(key + tiles, bias, mask) <= limit
     # an A100 does not take the Hopper default of bfloat16 D128 (229376 bytes on sm_80)

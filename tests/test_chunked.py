@@ -1,6 +1,7 @@
 """ejk_lite.chunked_recurrent against a float64 reference and against ejk_lite.recurrent: outputs,
 final state and every gradient; packing, reverse, grouped heads, strong decay, chunk sizes."""
 
+import dataclasses
 import functools
 import importlib
 
@@ -8,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TOLERANCE, rel_err
+from conftest import TOLERANCE, compiled_package_launches, rel_err
 
 import ejk_lite
 from ejk_lite.chunked import ChunkedConfig, KernelConfig, _forward, _Static, _walk_plan, _walk_tiles
@@ -584,3 +585,38 @@ def test_config_numpy_ints_and_hashable():
     config = ChunkedConfig(states=KernelConfig(block_k=np.int64(32), block_v=16))
     assert config.states.block_k == 32 and type(config.states.block_k) is int
     assert hash(config) == hash(ChunkedConfig(states=KernelConfig(block_k=32, block_v=16)))
+
+
+@pytest.mark.parametrize("limit", [None, 232448, 166912, 131072, 101376])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_default_config_follows_shared_memory(dtype, limit, monkeypatch):
+    """``ChunkedConfig.default``: the Hopper defaults, except float32 inputs on a GPU whose blocks
+    have less than 131072 bytes, which take ``fused_output`` at 2 stages and ``attention`` at 1;
+    ``None`` asks the driver (none here: the defaults). A call with ``config=None`` takes it."""
+    monkeypatch.setattr(ejk_lite.chunked, "max_shared_memory", lambda: None)  # "no driver"
+    got = ChunkedConfig.default(dtype, shared_memory=limit)
+    base = ChunkedConfig()
+    if limit is None or limit >= 131072 or jnp.dtype(dtype).itemsize < 4:
+        assert got == base
+        return
+    assert got == dataclasses.replace(
+        base, fused_output=dataclasses.replace(base.fused_output, num_stages=2),
+        attention=dataclasses.replace(base.attention, num_stages=1))
+    # what chunked_recurrent takes with config=None on such a GPU
+    taken = []
+    monkeypatch.setattr(ejk_lite.chunked, "max_shared_memory", lambda: limit)
+    monkeypatch.setattr(ejk_lite.chunked, "_chunked_jit",
+                        lambda static, *args: taken.append(static.config))
+    x = jnp.zeros((1, 16, 1, 16), dtype)
+    _chunked_recurrent(x, x, x, impl="triton")
+    assert taken == [got]
+
+
+def test_default_config_fits_smaller_gpus():
+    """On sm_86 and sm_89 (RTX 30xx and 40xx, A10, L4: 101376 bytes a block) the default config
+    compiles within the shared memory for float32 and bfloat16 at K = V = 128, every gate,
+    forward and backward (``tools/compile_check.py --package``). With ``ChunkedConfig()`` there,
+    float32 fails in 3 launches (``_fused_output_kernel`` and ``_gk_attention_kernel`` at
+    131072 bytes)."""
+    assert compiled_package_launches("smaller_gpu_chunked_child.py", arch=89,
+                                     shared_memory=101376) >= 20

@@ -147,8 +147,9 @@ def notebook_kernels(notebook: Path, folder: Path) -> dict:
     return vars(module)
 
 
-# Shared memory a block may use, in bytes (CUDA's sharedMemPerBlockOptin): A100, H100/H200.
-SHARED_MEMORY = {80: 166912, 90: 232448}
+# Shared memory a block may use, in bytes (CUDA's sharedMemPerBlockOptin): A100; RTX 30xx (A10,
+# A40) and L4 (RTX 40xx); H100/H200.
+SHARED_MEMORY = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
 
 
 def _error_lines(error: Exception) -> list[str]:
@@ -240,7 +241,7 @@ def record_script(script: Path) -> list[dict]:
         return json.loads(record.read_text())
 
 
-def check_package(script: Path, archs: list[int]) -> int:
+def check_package(script: Path, archs: list[int], show_shared: bool = False) -> int:
     launches = record_script(script)
     import jax
 
@@ -260,8 +261,11 @@ def check_package(script: Path, archs: list[int]) -> int:
         fn = getattr(importlib.import_module(launch["module"]), launch["name"])
         for arch in archs:
             try:
-                compile_launch(fn, launch, arch)
+                shared = compile_launch(fn, launch, arch)
                 compiled += 1
+                if show_shared:
+                    print(f"ok sm_{arch} {launch['name']} {shared} bytes "
+                          f"{json.dumps(launch['meta'], sort_keys=True)[:400]}")
             except Exception as error:  # noqa: BLE001 (report every failure, then go on)
                 failures += 1
                 lines = _error_lines(error)
@@ -282,6 +286,8 @@ def main() -> int:
     parser.add_argument("--arch", nargs="+", type=int, default=[80, 90],
                         help="compute capabilities to compile for (default: 80 90)")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per cell")
+    parser.add_argument("--shared", action="store_true",
+                        help="--package: print each launch's shared memory, in bytes")
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("unset TRITON_INTERPRET: this process must compile (the notebook runs elsewhere)")
@@ -289,7 +295,7 @@ def main() -> int:
         parser.error("give notebooks, --package, or both")
     failures = sum(check(nb.resolve(), args.arch, args.timeout) for nb in args.notebooks)
     if args.package is not None:
-        failures += check_package(args.package.resolve(), args.arch)
+        failures += check_package(args.package.resolve(), args.arch, args.shared)
     return 1 if failures else 0
 
 

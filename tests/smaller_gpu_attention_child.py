@@ -1,7 +1,10 @@
-"""Launches that ``test_attention.test_default_tiles_fit_an_a100`` compiles for sm_80 (through
+"""Launches that ``test_attention.test_default_tiles_fit_smaller_gpus`` compiles (through
 ``tools/compile_check.py --package``): the forward and backward at the default tiles that a GPU
-with an A100's shared memory (166912 bytes a block) gets, bfloat16 at D64 and D128 and float32
-at D128, plain, with a bias and with a dense attention_mask."""
+with ``EJK_LITE_TEST_SHARED_MEMORY`` bytes of shared memory a block gets (an A100: 166912; sm_86
+and sm_89: 101376), bfloat16 at D64 and D128 and float32 at D128, plain, with a bias and with a
+dense attention_mask."""
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +12,8 @@ import numpy as np
 import ejk_lite.attention
 from ejk_lite import blocksparse_attention
 
-ejk_lite.attention.max_shared_memory = lambda: 166912  # what an A100's driver reports
+LIMIT = int(os.environ["EJK_LITE_TEST_SHARED_MEMORY"])
+ejk_lite.attention.max_shared_memory = lambda: LIMIT  # what the GPU's driver would report
 rng = np.random.default_rng(0)
 T = 130
 for dtype, D in [("bfloat16", 128), ("bfloat16", 64), ("float32", 128)]:
