@@ -18,7 +18,7 @@ import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TOLERANCE, compiled_package_launches, rel_err, tolerance
+from conftest import TOLERANCE, compiled_package_launches, offline_compile, rel_err, tolerance
 
 import ejk_lite
 from ejk_lite import BlockMask, blocksparse_attention, make_block_mask
@@ -255,8 +255,7 @@ def test_partial_and_full_tiles_in_one_loop(T, S, dtype, rng):
     check(rng, arrays, options, dtype, fwd=BlockSizes(16, 16))
 
 
-@pytest.mark.skipif(ejk_lite.ON_GPU, reason="on a GPU the kernels are not interpreted, so "
-                    "nothing is recorded to compile (the other tests launch them for real)")
+@offline_compile  # on a GPU, test_tiles_past_shared_memory launches them for real
 def test_default_tiles_fit_shared_memory():
     """The default tiles compile for sm_90 within its shared memory (232448 bytes a block), with
     a bias and with a dense attention_mask, each a tile per pair in every pipeline stage.
@@ -276,6 +275,7 @@ def test_forward_defaults_refuse_what_is_not_a_bool(name, bad):
         BlockSizes.forward(128, jnp.bfloat16, **{name: bad}, shared_memory=166912)
 
 
+@offline_compile
 @pytest.mark.parametrize("arch, limit", [(80, 166912), (89, 101376)])
 def test_default_tiles_fit_smaller_gpus(arch, limit):
     """On a GPU with less shared memory than Hopper's (an A100: 166912 bytes a block; sm_86 and

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TOLERANCE, compiled_package_launches, rel_err
+from conftest import TOLERANCE, compiled_package_launches, offline_compile, rel_err
 
 import ejk_lite
 from ejk_lite.chunked import ChunkedConfig, KernelConfig, _forward, _Static, _walk_plan, _walk_tiles
@@ -612,6 +612,7 @@ def test_default_config_follows_shared_memory(dtype, limit, monkeypatch):
     assert taken == [got]
 
 
+@offline_compile
 def test_default_config_fits_smaller_gpus():
     """On sm_86 and sm_89 (RTX 30xx and 40xx, A10, L4: 101376 bytes a block) the default config
     compiles within the shared memory for float32 and bfloat16 at K = V = 128, every gate,
