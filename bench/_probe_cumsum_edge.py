@@ -36,8 +36,8 @@ ceiling of each run: 4307 and 4290 GB/s):
    parts is slower and less exact: 35.6% at 64 x 64 (8 warps), 68.2% at 64 x 32 (4 warps),
    relative error 7.0e-6 against the walk's 1.2e-7 (the tensor cores' accumulation).
    ``--round 2``, one or two warps with every token of a column in one lane, was the slowest
-   of all: 3.5-26.7% in bfloat16, 4.5-52.4% in float32 (not looked into: register spills are a
-   guess).
+   of all: 3.5-25.2% in bfloat16 (one warp), 4.5-42.6% in float32 with one warp and 13.7-52.4%
+   with two (not looked into: register spills are a guess).
 
     python3 bench/_probe_cumsum_edge.py            # GPU
     python3 bench/_probe_cumsum_edge.py --quick    # interpreter: small shapes, checked only

@@ -110,7 +110,8 @@ class BlockSizes:
         (never more stages than it has)."""
         bias, mask = static_bool(bias, "bias"), static_bool(mask, "mask")
         default = BlockSizes._hopper_forward(head_dim, dtype, bias or mask)
-        limit = max_shared_memory() if shared_memory is None else shared_memory
+        limit = (max_shared_memory() if shared_memory is None
+                 else static_int(shared_memory, "shared_memory", minimum=1))
         if limit is None or limit >= _HOPPER_SHARED_MEMORY:
             return default
         return _fitting_forward(default, head_dim, jnp.dtype(dtype).itemsize, bias, mask, limit)
@@ -212,9 +213,9 @@ def _fitting_forward(default: BlockSizes, head_dim: int, itemsize: int, bias: bo
     and sm_80's bytes (229376 with a mask) would let a limit just below Hopper's take three."""
     key = (itemsize, next_power_of_2(max(head_dim, 64)))
     candidates = _SMALLER_FORWARDS.get(key, [])
-    start = (default.block_q, default.block_kv, default.num_warps, default.num_stages)
-    if start in candidates:
-        candidates = candidates[candidates.index(start):]
+    if candidates:  # every list holds its default (a ValueError here if an edit drops it)
+        candidates = candidates[candidates.index(
+            (default.block_q, default.block_kv, default.num_warps, default.num_stages)):]
     for tiles in candidates:
         if _forward_shared_bytes(key + tiles, bias, mask) <= limit:
             break

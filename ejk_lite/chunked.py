@@ -362,8 +362,10 @@ class ChunkedConfig:
     fast_decay: float | None = 20.0
 
     @staticmethod
-    def default(dtype: Any = jnp.bfloat16, shared_memory: int | None = None) -> ChunkedConfig:
-        """The config a call with ``config=None`` takes, for inputs of ``dtype`` on a GPU whose
+    def default(dtype: Any = jnp.bfloat16, key_dim: int = 128, value_dim: int = 128,
+                shared_memory: int | None = None) -> ChunkedConfig:
+        """The config a call with ``config=None`` takes: for products in ``dtype`` (the result
+        type of query, key and value), head dims ``key_dim`` / ``value_dim``, on a GPU whose
         blocks may use ``shared_memory`` bytes (``None``: GPU 0's, from the driver; no driver:
         ``ChunkedConfig()``).
 
@@ -372,13 +374,26 @@ class ChunkedConfig:
         (``_fused_output_kernel`` at 3 stages, ``_gk_attention_kernel`` at 2:
         ``tools/compile_check.py --package --arch 89 --shared``), past the 101376 of sm_86 and
         sm_89 (RTX 30xx and 40xx, A10, L4), where the driver would refuse the launch. So with
-        less than 131072 bytes, float32 inputs take ``fused_output`` at 2 stages and
-        ``attention`` at 1: 65536 bytes each there. Compiled, never timed: no such GPU has run
-        them here. 16-bit inputs keep the defaults (every kernel within 101376 bytes, same
-        check)."""
+        less than 131072 bytes, such inputs take ``fused_output`` at 2 stages and ``attention``
+        at 1: 65536 bytes each there. Compiled, not timed on such a GPU (on an H200 both were
+        right, ``bench/_probe_smaller_gpu_defaults.py``). 16-bit inputs, and float32 ones with
+        K and V below 128, keep the defaults (within 101376 bytes, same check)."""
+        given = dtype
+        try:
+            dtype = jnp.dtype(dtype)
+        except TypeError:  # a string that names no dtype, an array, ...
+            dtype = None
+        if dtype is None or dtype not in map(jnp.dtype, _TRITON_DTYPES):
+            raise ValueError(f"dtype must be float16, bfloat16 or float32, got {given!r}")
+        key_dim = static_int(key_dim, "key_dim", minimum=1)
+        value_dim = static_int(value_dim, "value_dim", minimum=1)
         config = ChunkedConfig()
-        limit = max_shared_memory() if shared_memory is None else shared_memory
-        if limit is None or limit >= _FLOAT32_DEFAULT_SHARED or jnp.dtype(dtype).itemsize < 4:
+        if shared_memory is None:
+            limit = max_shared_memory()
+        else:
+            limit = static_int(shared_memory, "shared_memory", minimum=1)
+        if (limit is None or limit >= _FLOAT32_DEFAULT_SHARED or dtype.itemsize < 4
+                or max(key_dim, value_dim) < 128):
             return config
         return dataclasses.replace(
             config, fused_output=dataclasses.replace(config.fused_output, num_stages=2),
@@ -2239,7 +2254,8 @@ def chunked_recurrent(
         impl: ``"triton"``, ``"xla"`` (recurrent's plain-JAX reference, a scan over tokens) or
             ``"auto"`` (Triton on a GPU, else XLA: on a CPU the kernels run in Triton's
             interpreter, for testing; pass ``impl="triton"`` there to test them).
-        config: a :class:`ChunkedConfig` (tiles, warps and stages per kernel); defaults if None.
+        config: a :class:`ChunkedConfig` (tiles, warps and stages per kernel); ``None``:
+            :meth:`ChunkedConfig.default` for the inputs' dtype, head dims and GPU.
 
     Returns:
         ``(o, final_state)``: ``o`` ``[B, T, H, V]`` in the query's dtype, ``final_state``
@@ -2261,9 +2277,7 @@ def chunked_recurrent(
     chunk_size = static_int(chunk_size, "chunk_size", minimum=1)
     if chunk_size not in (16, 32, 64, 128):
         raise ValueError(f"chunk_size must be 16, 32, 64 or 128, got {chunk_size}")
-    if config is None:
-        config = ChunkedConfig.default(query.dtype)
-    elif not isinstance(config, ChunkedConfig):
+    if config is not None and not isinstance(config, ChunkedConfig):
         raise ValueError(f"config must be a ChunkedConfig, got {type(config).__name__}")
     scale = _scale(softmax_scale, query.shape[-1])
     reverse = bool(reverse)
@@ -2274,6 +2288,9 @@ def chunked_recurrent(
     if impl == "xla":
         return reference(query, key, value, g, g_gamma, gk, None, scale, initial_state, reverse, cu_seqlens)
     num_heads, key_dim, value_dim = query.shape[2], query.shape[3], value.shape[3]
+    if config is None:  # the products' dtype, as _chunked_jit computes it
+        config = ChunkedConfig.default(jnp.result_type(query.dtype, key.dtype, value.dtype),
+                                       key_dim, value_dim)
     if max(chunk_size * num_heads * max(key_dim, value_dim), key_dim * value_dim) >= 2**31:
         # Several kernels address a chunk's rows (and a state's tile) in 32 bits from a 64-bit
         # base: cheaper than 64-bit offsets per element (see ChunkedConfig.fast).

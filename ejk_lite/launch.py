@@ -42,6 +42,7 @@ a GPU.
 from __future__ import annotations
 
 import ctypes
+import functools
 import importlib.abc
 import os
 import sys
@@ -227,10 +228,12 @@ def _launch_key(kernel: Any, num_warps: int | None, num_stages: int | None,
     return kernel, num_warps, num_stages, tuple(sorted(metaparams.items()))
 
 
+@functools.cache
 def max_shared_memory(device: int = 0) -> int | None:
     """Bytes of shared memory one block may use on CUDA device ``device``: the opt-in maximum,
     the figure Triton's loader checks (232448 on an H100 or H200). ``None`` without a CUDA
-    driver."""
+    driver. Asked once per device: the ops' defaults ask at every call, and each ask would load
+    the driver's library and initialise it again."""
     try:
         cuda = ctypes.CDLL("libcuda.so.1")
     except OSError:

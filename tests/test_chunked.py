@@ -587,29 +587,52 @@ def test_config_numpy_ints_and_hashable():
     assert hash(config) == hash(ChunkedConfig(states=KernelConfig(block_k=32, block_v=16)))
 
 
-@pytest.mark.parametrize("limit", [None, 232448, 166912, 131072, 101376])
+@pytest.mark.parametrize("limit", [None, 232448, 166912, 131072, 131071, 120000, 101376])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
-def test_default_config_follows_shared_memory(dtype, limit, monkeypatch):
-    """``ChunkedConfig.default``: the Hopper defaults, except float32 inputs on a GPU whose blocks
-    have less than 131072 bytes, which take ``fused_output`` at 2 stages and ``attention`` at 1;
-    ``None`` asks the driver (none here: the defaults). A call with ``config=None`` takes it."""
+@pytest.mark.parametrize("key_dim, value_dim", [(128, 128), (64, 128), (128, 64), (64, 64),
+                                                (256, 256)])
+def test_default_config_follows_shared_memory(dtype, limit, key_dim, value_dim, monkeypatch):
+    """``ChunkedConfig.default``: the Hopper defaults, except float32 inputs with K or V of 128 or
+    more on a GPU whose blocks have less than 131072 bytes, which take ``fused_output`` at 2
+    stages and ``attention`` at 1; ``None`` asks the driver (none here: the defaults)."""
     monkeypatch.setattr(ejk_lite.chunked, "max_shared_memory", lambda: None)  # "no driver"
-    got = ChunkedConfig.default(dtype, shared_memory=limit)
-    base = ChunkedConfig()
-    if limit is None or limit >= 131072 or jnp.dtype(dtype).itemsize < 4:
-        assert got == base
-        return
-    assert got == dataclasses.replace(
-        base, fused_output=dataclasses.replace(base.fused_output, num_stages=2),
-        attention=dataclasses.replace(base.attention, num_stages=1))
-    # what chunked_recurrent takes with config=None on such a GPU
+    got = ChunkedConfig.default(dtype, key_dim, value_dim, shared_memory=limit)
+    smaller = (dtype == jnp.float32 and limit in (131071, 120000, 101376)
+               and max(key_dim, value_dim) >= 128)
+    assert got.fused_output.num_stages == (2 if smaller else 3)
+    assert got.attention.num_stages == (1 if smaller else 2)
+    assert dataclasses.replace(got, fused_output=ChunkedConfig().fused_output,
+                               attention=ChunkedConfig().attention) == ChunkedConfig()
+
+
+@pytest.mark.parametrize("dtypes, smaller", [(("float32",) * 3, True), (("bfloat16",) * 3, False),
+                                             (("bfloat16", "float32", "float32"), True),
+                                             (("float32", "bfloat16", "bfloat16"), True),
+                                             (("bfloat16", "float16", "bfloat16"), True)])
+def test_default_config_of_a_call(dtypes, smaller, monkeypatch):
+    """With ``config=None`` a call takes ``ChunkedConfig.default`` of the products' dtype (the
+    result type of query, key and value, which the kernels compute in: a bfloat16 query with
+    float32 keys runs float32 kernels) and its head dims, on the driver's shared memory."""
     taken = []
-    monkeypatch.setattr(ejk_lite.chunked, "max_shared_memory", lambda: limit)
+    monkeypatch.setattr(ejk_lite.chunked, "max_shared_memory", lambda: 101376)
     monkeypatch.setattr(ejk_lite.chunked, "_chunked_jit",
                         lambda static, *args: taken.append(static.config))
-    x = jnp.zeros((1, 16, 1, 16), dtype)
-    _chunked_recurrent(x, x, x, impl="triton")
-    assert taken == [got]
+    q, k, v = (jnp.zeros((1, 16, 1, 128), d) for d in dtypes)
+    _chunked_recurrent(q, k, v, impl="triton")
+    assert taken == [ChunkedConfig.default(jnp.float32 if smaller else jnp.bfloat16,
+                                           shared_memory=101376)]
+    assert (taken[0].attention.num_stages == 1) == smaller
+    _chunked_recurrent(q, k, v, impl="triton", config=ChunkedConfig())  # a given config is kept
+    assert taken[-1] == ChunkedConfig()
+
+
+@pytest.mark.parametrize("bad", [None, "x", jnp.float64, jnp.int32, jnp.ones(3, jnp.int32)])
+def test_default_config_refuses_other_dtypes(bad):
+    """Not a dtype the kernels take (None would be NumPy's float64): a ValueError naming it."""
+    with pytest.raises(ValueError, match="^dtype must be float16, bfloat16 or float32"):
+        ChunkedConfig.default(bad, shared_memory=101376)
+    with pytest.raises(ValueError, match="shared_memory"):
+        ChunkedConfig.default(jnp.float32, shared_memory=1.5e5)
 
 
 @offline_compile
