@@ -385,8 +385,8 @@ class ChunkedConfig:
             dtype = None
         if dtype is None or dtype not in map(jnp.dtype, _TRITON_DTYPES):
             raise ValueError(f"dtype must be float16, bfloat16 or float32, got {given!r}")
-        key_dim = static_int(key_dim, "key_dim", minimum=1)
-        value_dim = static_int(value_dim, "value_dim", minimum=1)
+        key_dim = static_int(key_dim, "key_dim")  # 0 is a valid head dim: an empty state
+        value_dim = static_int(value_dim, "value_dim")
         config = ChunkedConfig()
         if shared_memory is None:
             limit = max_shared_memory()

@@ -590,7 +590,7 @@ def test_config_numpy_ints_and_hashable():
 @pytest.mark.parametrize("limit", [None, 232448, 166912, 131072, 131071, 120000, 101376])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("key_dim, value_dim", [(128, 128), (64, 128), (128, 64), (64, 64),
-                                                (256, 256)])
+                                                (256, 256), (0, 128), (128, 0), (0, 0)])
 def test_default_config_follows_shared_memory(dtype, limit, key_dim, value_dim, monkeypatch):
     """``ChunkedConfig.default``: the Hopper defaults, except float32 inputs with K or V of 128 or
     more on a GPU whose blocks have less than 131072 bytes, which take ``fused_output`` at 2
