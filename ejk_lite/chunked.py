@@ -381,7 +381,7 @@ class ChunkedConfig:
         given = dtype
         try:
             dtype = jnp.dtype(dtype)
-        except TypeError:  # a string that names no dtype, an array, ...
+        except TypeError:  # not a dtype, nor anything that names one ("x")
             dtype = None
         if dtype is None or dtype not in map(jnp.dtype, _TRITON_DTYPES):
             raise ValueError(f"dtype must be float16, bfloat16 or float32, got {given!r}")
