@@ -320,6 +320,11 @@ def test_forward_defaults_follow_shared_memory(limit, dtype, head_dim, monkeypat
         assert got.num_stages <= hopper.num_stages, (bias, mask)
         if fits:
             assert _forward_shared_bytes(key + tiles, bias, mask) <= limit
+    # Literal cases, not the search restated: just below Hopper's limit a bf16 D128 call with a
+    # mask keeps the default's two stages (the list's first, three, fits sm_80's 229376 bytes).
+    if limit == 230000 and (dtype, head_dim) == (jnp.bfloat16, 128):
+        got = BlockSizes.forward(head_dim, dtype, mask=True, shared_memory=limit)
+        assert (got.block_q, got.block_kv, got.num_warps, got.num_stages) == (128, 128, 8, 2)
     # an A100 does not take the Hopper default of bfloat16 D128 (229376 bytes on sm_80)
     if limit == 166912 and (dtype, head_dim) == (jnp.bfloat16, 128):
         assert BlockSizes.forward(head_dim, dtype, shared_memory=limit).num_stages == 2
