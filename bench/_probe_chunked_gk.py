@@ -147,6 +147,8 @@ def main():
     parser.add_argument("--fla", action="store_true", help="also fla's kernel, per kernel")
     parser.add_argument("--strong", action="store_true",
                         help="strong decays (peers.gla_inputs' strong): the careful kernels")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                        help="the inputs' dtype (and the tolerances the checks take)")
     parser.add_argument("--forward-only", action="store_true",
                         help="time and break down the forward only (fla autotunes only it)")
     args = parser.parse_args()
@@ -161,8 +163,9 @@ def main():
         variants = variants[:2]
     chunk = race.QUICK_CHUNK_SIZE if args.quick else 64
     scale = d ** -0.5
+    dtype = jnp.dtype(args.dtype)
     run.log(f"device {jax.devices()[0].device_kind}; B{b} T{t} H{h}{f'/{kv}' if kv else ''} "
-            f"K=V={d} bf16, chunk {chunk}")
+            f"K=V={d} {args.dtype}, chunk {chunk}")
     results = []
     fla = None
     if args.fla:
@@ -172,6 +175,8 @@ def main():
     for gate in args.gates.split(","):
         inputs, d_o = peers.gla_inputs(int(gate == "gk"), b, t, h, d, gate, kv_heads=kv,
                                        strong=args.strong)
+        inputs = {n: x.astype(dtype) for n, x in inputs.items()}
+        d_o = d_o.astype(dtype)
         short, short_d_o = peers.prefix(inputs, check_len), d_o[:, :check_len]
         wide = {n: x.astype(jnp.float32) for n, x in short.items()}
         ref_fwd_bwd = forward_and_backward(lambda x: reference(**x, softmax_scale=scale)[0])[1]
@@ -185,12 +190,12 @@ def main():
                                    config=config, softmax_scale=scale)
             fwd, fwd_bwd = forward_and_backward(lambda x, op=op: op(**x)[0])
             err = compare(*fwd_bwd(short, short_d_o), ref_o, ref_grads)
-            failures = past_tolerance(err, jnp.bfloat16, f"{label} vs reference")
+            failures = past_tolerance(err, dtype, f"{label} vs reference")
             o, grads = fwd_bwd(inputs, d_o)
             if first is None:
                 first = (o, grads)
             else:  # every variant computes the same function: close to the first, full length
-                failures += past_tolerance(compare(o, grads, *first), jnp.bfloat16,
+                failures += past_tolerance(compare(o, grads, *first), dtype,
                                            f"{label} vs the first variant")
             if not bool(jnp.all(jnp.isfinite(o.astype(jnp.float32)))):
                 failures.append(f"{label}: non-finite output at full length")
