@@ -367,17 +367,25 @@ class ChunkedConfig:
         """The config a call with ``config=None`` takes: for products in ``dtype`` (the result
         type of query, key and value), head dims ``key_dim`` / ``value_dim``, on a GPU whose
         blocks may use ``shared_memory`` bytes (``None``: GPU 0's, from the driver; no driver:
-        ``ChunkedConfig()``).
+        Hopper's).
 
-        The defaults were timed on Hopper GPUs (232448 bytes a block). With float32 inputs and
-        K or V of 128 or more, two of their forward kernels compile to 131072 bytes for sm_89
-        (``_fused_output_kernel`` at 3 stages, ``_gk_attention_kernel`` at 2:
-        ``tools/compile_check.py --package --arch 89 --shared``), past the 101376 of sm_86 and
-        sm_89 (RTX 30xx and 40xx, A10, L4), where the driver would refuse the launch. So with
-        less than 131072 bytes, such inputs take ``fused_output`` at 2 stages and ``attention``
-        at 1: 65536 bytes each there. Compiled, not timed on such a GPU (on an H200 both were
-        right, ``bench/_probe_smaller_gpu_defaults.py``). 16-bit inputs, and float32 ones with
-        K and V below 128, keep the defaults (within 101376 bytes, same check)."""
+        ``ChunkedConfig()``, timed on Hopper GPUs, except for float32 products with K or V of
+        128 or more:
+
+        * ``attention`` (``_gk_attention_kernel``, the per-key gate's) at one stage instead of
+          two, on every GPU. Measured (H200, float32, B4 T4096 H16 K=V=128, per-key gate,
+          ``bench/_probe_chunked_gk.py --dtype float32``, medians of 10, checked, not
+          recorded): the kernel 1.050 -> 0.828 ms, forward 2.224 -> 2.006 ms, forward +
+          backward 6.357 -> 6.135; at B2 T4096 H8, forward 0.608 -> 0.561
+          (``bench/_probe_smaller_gpu_defaults.py``). bfloat16 was even in the same run
+          (forward 0.4595 / 0.4586 ms, forward + backward 1.8709 / 1.8725): kept at two.
+        * On a GPU with less than 131072 bytes a block, ``fused_output`` at 2 stages too: at 3
+          it compiles to 131072 bytes for sm_89 (``tools/compile_check.py --package --arch 89
+          --shared``), past the 101376 of sm_86 and sm_89 (RTX 30xx and 40xx, A10, L4), where
+          the driver would refuse the launch; at 2, 65536 (and ``attention`` at one stage
+          65536, at two 131072). Compiled, not timed on such a GPU (on an H200 both were
+          right, ``bench/_probe_smaller_gpu_defaults.py``). 16-bit inputs, and float32 ones
+          with K and V below 128, fit there with the defaults (same check)."""
         given = dtype
         try:
             dtype = jnp.dtype(dtype)
@@ -387,17 +395,19 @@ class ChunkedConfig:
             raise ValueError(f"dtype must be float16, bfloat16 or float32, got {given!r}")
         key_dim = static_int(key_dim, "key_dim")  # 0 is a valid head dim: an empty state
         value_dim = static_int(value_dim, "value_dim")
-        config = ChunkedConfig()
         if shared_memory is None:
             limit = max_shared_memory()
         else:
             limit = static_int(shared_memory, "shared_memory", minimum=1)
-        if (limit is None or limit >= _FLOAT32_DEFAULT_SHARED or dtype.itemsize < 4
-                or max(key_dim, value_dim) < 128):
+        config = ChunkedConfig()
+        if dtype.itemsize < 4 or max(key_dim, value_dim) < 128:
+            return config
+        config = dataclasses.replace(
+            config, attention=dataclasses.replace(config.attention, num_stages=1))
+        if limit is None or limit >= _FLOAT32_DEFAULT_SHARED:
             return config
         return dataclasses.replace(
-            config, fused_output=dataclasses.replace(config.fused_output, num_stages=2),
-            attention=dataclasses.replace(config.attention, num_stages=1))
+            config, fused_output=dataclasses.replace(config.fused_output, num_stages=2))
 
     @classmethod
     def kernel_fields(cls) -> tuple[str, ...]:

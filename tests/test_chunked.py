@@ -592,15 +592,16 @@ def test_config_numpy_ints_and_hashable():
 @pytest.mark.parametrize("key_dim, value_dim", [(128, 128), (64, 128), (128, 64), (64, 64),
                                                 (256, 256), (0, 128), (128, 0), (0, 0)])
 def test_default_config_follows_shared_memory(dtype, limit, key_dim, value_dim, monkeypatch):
-    """``ChunkedConfig.default``: the Hopper defaults, except float32 inputs with K or V of 128 or
-    more on a GPU whose blocks have less than 131072 bytes, which take ``fused_output`` at 2
-    stages and ``attention`` at 1; ``None`` asks the driver (none here: the defaults)."""
+    """``ChunkedConfig.default``: ``ChunkedConfig()``, except float32 inputs with K or V of 128
+    or more, which take ``attention`` at 1 stage on every GPU, and on one whose blocks have less
+    than 131072 bytes ``fused_output`` at 2 stages too; ``None`` asks the driver (none here:
+    Hopper's)."""
     monkeypatch.setattr(ejk_lite.chunked, "max_shared_memory", lambda: None)  # "no driver"
     got = ChunkedConfig.default(dtype, key_dim, value_dim, shared_memory=limit)
-    smaller = (dtype == jnp.float32 and limit in (131071, 120000, 101376)
-               and max(key_dim, value_dim) >= 128)
+    float32_wide = dtype == jnp.float32 and max(key_dim, value_dim) >= 128
+    smaller = float32_wide and limit in (131071, 120000, 101376)
     assert got.fused_output.num_stages == (2 if smaller else 3)
-    assert got.attention.num_stages == (1 if smaller else 2)
+    assert got.attention.num_stages == (1 if float32_wide else 2)
     assert dataclasses.replace(got, fused_output=ChunkedConfig().fused_output,
                                attention=ChunkedConfig().attention) == ChunkedConfig()
 
