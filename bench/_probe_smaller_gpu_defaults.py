@@ -59,13 +59,55 @@ def line(label, fn, args, expected, dtype, failures, timed):
     return text
 
 
+def head_dim_256(quick, rng, failures):
+    """Attention at D256, causal, bfloat16 and float32: the output and the gradients of q, k
+    and v at the forward's and the backward's defaults of each limit, against float64 (checked
+    only, not timed: session 26 added those defaults)."""
+    B, H, T, D = (1, 2, 130, 256) if quick else (1, 4, 1024, 256)
+    for dtype in ("bfloat16", "float32"):
+        q, k, v, d_o = (jnp.asarray(rng.standard_normal((B, H, T, D)), dtype)
+                        for _ in range(4))
+        with jax.enable_x64(True):
+            wide = [x.astype(jnp.float64) for x in (q, k, v)]
+            out, vjp = jax.vjp(lambda q, k, v: blocksparse_attention(
+                q, k, v, causal=True, impl="xla"), *wide)
+            expected = [np.asarray(x) for x in (out, *vjp(d_o.astype(jnp.float64)))]
+        for name, limit in LIMITS.items():
+            fwd = BlockSizes.forward(D, dtype, shared_memory=limit or 232448)
+            bwd = BlockSizes.backward(D, dtype, shared_memory=limit or 232448)
+
+            def call(q, k, v, d_o, fwd=fwd, bwd=bwd):
+                out, vjp = jax.vjp(lambda q, k, v: blocksparse_attention(
+                    q, k, v, causal=True, fwd_blocks=fwd, bwd_blocks=bwd, impl="triton"),
+                    q, k, v)
+                return [out, *vjp(d_o)]
+
+            got = jax.jit(call)(q, k, v, d_o)
+            errs = [relative_error(g, e) for g, e in zip(got, expected)]
+            ok = (errs[0] <= tolerance(dtype)
+                  and max(errs[1:]) <= tolerance(dtype, gradient=True))
+            label = (f"attention {dtype} D256 {name}: fwd {fwd.block_q}x{fwd.block_kv} "
+                     f"{fwd.num_stages}st, bwd {bwd.block_q}x{bwd.block_kv} {bwd.num_stages}st")
+            if not ok:
+                failures.append(f"{label}: relative errors {errs}")
+            print(f"{label:70} rel err out {errs[0]:.1e}, grads {max(errs[1:]):.1e}"
+                  f"{'' if ok else ' FAILED'}", flush=True)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--head-dim-256", action="store_true",
+                   help="only attention at D256, forward and backward, checked")
     args = p.parse_args()
     timed = not args.quick
     rng = np.random.default_rng(0)
     failures = []
+    if args.head_dim_256:
+        head_dim_256(args.quick, rng, failures)
+        if failures:
+            sys.exit("failed: " + "; ".join(failures))
+        return
 
     # Attention, causal, forward: bf16 D128 (with and without a bias) and float32 D128.
     B, H, T = (1, 2, 200) if args.quick else (2, 16, 4096)

@@ -114,7 +114,8 @@ class BlockSizes:
                  else static_int(shared_memory, "shared_memory", minimum=1))
         if limit is None or limit >= _HOPPER_SHARED_MEMORY:
             return default
-        return _fitting_forward(default, head_dim, jnp.dtype(dtype).itemsize, bias, mask, limit)
+        return _fitting(default, _SMALLER_FORWARDS, _SM80_FORWARD_SHARED, head_dim,
+                        jnp.dtype(dtype).itemsize, bias, mask, limit)
 
     @staticmethod
     def _hopper_forward(head_dim: int, dtype: Any, pair_tiles: bool) -> BlockSizes:
@@ -137,8 +138,27 @@ class BlockSizes:
         return BlockSizes(64, 64, num_warps=4, num_stages=2)
 
     @staticmethod
-    def backward(head_dim: int, dtype: Any = jnp.bfloat16) -> BlockSizes:
-        """One config for both backward kernels (``bwd_blocks`` also takes a pair ``(dkv, dq)``)."""
+    def backward(head_dim: int, dtype: Any = jnp.bfloat16, bias: bool = False,
+                 mask: bool = False, shared_memory: int | None = None) -> BlockSizes:
+        """One config for both backward kernels (``bwd_blocks`` also takes a pair ``(dkv, dq)``).
+
+        ``bias``, ``mask``, ``shared_memory``: as :meth:`forward`. The Hopper defaults fit
+        an A100 and sm_86 / sm_89 but for float32 at head dims past 128; there, where a block
+        has less than Hopper's shared memory, the first of :data:`_SMALLER_BACKWARDS` whose
+        bytes (:data:`_SM80_BACKWARD_SHARED`, the larger of the two kernels') fit is
+        taken."""
+        bias, mask = static_bool(bias, "bias"), static_bool(mask, "mask")
+        default = BlockSizes._hopper_backward(head_dim, dtype)
+        limit = (max_shared_memory() if shared_memory is None
+                 else static_int(shared_memory, "shared_memory", minimum=1))
+        if limit is None or limit >= _HOPPER_SHARED_MEMORY:
+            return default
+        return _fitting(default, _SMALLER_BACKWARDS, _SM80_BACKWARD_SHARED, head_dim,
+                        jnp.dtype(dtype).itemsize, bias, mask, limit)
+
+    @staticmethod
+    def _hopper_backward(head_dim: int, dtype: Any) -> BlockSizes:
+        """The backward's defaults on a Hopper GPU (:meth:`backward`)."""
         if jnp.dtype(dtype).itemsize >= 4:  # H100, float32 (tf32x3) B2 Hq16 Hkv4 T2000 D128
             # causal, same run (bench/results/attention_fp32.json): 32 x 32 gradient 6.71 ms
             # warm, first forward + first gradient 11.3 s; 64 x 64 10.61 ms and 18.3 s. A
@@ -156,8 +176,6 @@ class BlockSizes:
         return BlockSizes(32, 32, num_warps=4, num_stages=1)
 
 
-
-
 # The forward on GPUs with less shared memory than Hopper's. _SM80_FORWARD_SHARED: the bytes a
 # block asks for, compiled for sm_80 as jax-triton compiles (tools/forward_shared_memory.py:
 # the larger of the kernel's two launches, the optimistic one and the retry), by (bytes an
@@ -173,6 +191,9 @@ _SMALLER_FORWARDS = {
     (4, 128): [(64, 64, 4, 2), (64, 64, 4, 1), (64, 32, 4, 2), (64, 32, 4, 1), (32, 32, 4, 2),
                (32, 32, 4, 1)],
     (4, 64): [(64, 64, 4, 2), (64, 64, 4, 1), (64, 32, 4, 2), (64, 32, 4, 1), (32, 32, 4, 1)],
+    (2, 256): [(64, 64, 4, 2), (64, 64, 4, 1), (64, 32, 4, 2), (64, 32, 4, 1), (32, 32, 4, 2),
+               (32, 32, 4, 1), (32, 16, 4, 1), (16, 16, 4, 1)],
+    (4, 256): [(32, 32, 4, 1), (32, 16, 4, 1), (16, 16, 4, 1)],
 }
 _SM80_FORWARD_SHARED = {
     (2, 128, 128, 128, 8, 3): dict(none=229376, bias=327680, mask=229376),
@@ -197,27 +218,52 @@ _SM80_FORWARD_SHARED = {
     (4, 64, 64, 32, 4, 2): dict(none=65536, bias=73728, mask=65536),
     (4, 64, 64, 32, 4, 1): dict(none=49152, bias=49152, mask=49152),
     (4, 64, 32, 32, 4, 1): dict(none=40960, bias=40960, mask=45056),
+    (4, 256, 32, 32, 4, 1): dict(none=139264, bias=139264, mask=143360),
+    (4, 256, 32, 16, 4, 1): dict(none=102400, bias=102400, mask=104448),
+    (4, 256, 16, 16, 4, 1): dict(none=65536, bias=67584, mask=65536),
+    (2, 256, 64, 64, 4, 2): dict(none=139264, bias=155648, mask=147456),
+    (2, 256, 64, 64, 4, 1): dict(none=73728, bias=73728, mask=81920),
+    (2, 256, 64, 32, 4, 2): dict(none=86016, bias=94208, mask=90112),
+    (2, 256, 64, 32, 4, 1): dict(none=53248, bias=53248, mask=57344),
+    (2, 256, 32, 32, 4, 2): dict(none=67584, bias=71680, mask=69632),
+    (2, 256, 32, 32, 4, 1): dict(none=34816, bias=36864, mask=36864),
+    (2, 256, 32, 16, 4, 1): dict(none=25600, bias=26624, mask=26624),
+    (2, 256, 16, 16, 4, 1): dict(none=16896, bias=17408, mask=17408),
+}
+# The backward's, likewise (the larger of its two kernels' bytes; both take the config). Its
+# defaults fit sm_80 and sm_89 but for float32 at head dims past 128 (196608 bytes on sm_80,
+# the dK/dV kernel; bfloat16 at D256 69632 at most: tools/forward_shared_memory.py).
+_SMALLER_BACKWARDS = {
+    (4, 256): [(32, 32, 4, 1), (32, 16, 4, 1), (16, 32, 4, 1), (16, 16, 4, 1)],
+}
+_SM80_BACKWARD_SHARED = {
+    (4, 256, 32, 32, 4, 1): dict(none=196608, bias=196608, mask=196608),
+    (4, 256, 32, 16, 4, 1): dict(none=147456, bias=147456, mask=147456),
+    (4, 256, 16, 32, 4, 1): dict(none=163840, bias=163840, mask=163840),
+    (4, 256, 16, 16, 4, 1): dict(none=98304, bias=98304, mask=98304),
 }
 
 
-def _fitting_forward(default: BlockSizes, head_dim: int, itemsize: int, bias: bool, mask: bool,
-                     limit: int) -> BlockSizes:
-    """The first of ``_SMALLER_FORWARDS``, from ``default`` on, whose recorded bytes fit
-    ``limit`` (with a bias and a mask both, the bias's bytes plus what the mask adds: an
-    estimate, that pair was not compiled, and the bytes are not additive everywhere); if none
-    fits, the smallest (and the launch's shared-memory check names ``fwd_blocks``). ``default``
-    where nothing is recorded: head dims past 128.
+def _fitting(default: BlockSizes, lists: dict, table: dict, head_dim: int, itemsize: int,
+             bias: bool, mask: bool, limit: int) -> BlockSizes:
+    """The first config of ``lists`` (``_SMALLER_FORWARDS`` or ``_SMALLER_BACKWARDS``), from
+    ``default`` on, whose bytes in ``table`` fit ``limit`` (with a bias and a mask both, the
+    bias's bytes plus what the mask adds: an estimate, that pair was not compiled, and the
+    bytes are not additive everywhere); if none fits, the smallest (and the launch's
+    shared-memory check names ``fwd_blocks`` or ``bwd_blocks``). ``default`` where nothing is
+    listed (head dims past 256; the backward but for float32 past 128: its defaults fit).
 
-    From the default on, not from the list's first: with a bias or a mask the default has two
-    stages where the list starts at three (sm_90 overflows at three, 262144 bytes with a mask),
-    and sm_80's bytes (229376 with a mask) would let a limit just below Hopper's take three."""
+    From the default on, not from the list's first: with a bias or a mask the forward's
+    default has two stages where its list starts at three (sm_90 overflows at three, 262144
+    bytes with a mask), and sm_80's bytes (229376 with a mask) would let a limit just below
+    Hopper's take three."""
     key = (itemsize, next_power_of_2(max(head_dim, 64)))
-    candidates = _SMALLER_FORWARDS.get(key, [])
+    candidates = lists.get(key, [])
     if candidates:  # every list holds its default (a ValueError here if an edit drops it)
         candidates = candidates[candidates.index(
             (default.block_q, default.block_kv, default.num_warps, default.num_stages)):]
     for tiles in candidates:
-        if _forward_shared_bytes(key + tiles, bias, mask) <= limit:
+        if _shared_bytes(table, key + tiles, bias, mask) <= limit:
             break
     else:
         if not candidates:
@@ -227,11 +273,14 @@ def _fitting_forward(default: BlockSizes, head_dim: int, itemsize: int, bias: bo
                                num_warps=num_warps, num_stages=num_stages)
 
 
-def _forward_shared_bytes(config: tuple[int, ...], bias: bool, mask: bool) -> int:
-    """Recorded bytes of the forward at ``config`` (a key of ``_SM80_FORWARD_SHARED``)."""
-    shared = _SM80_FORWARD_SHARED[config]
+def _shared_bytes(table: dict, config: tuple[int, ...], bias: bool, mask: bool) -> int:
+    """Recorded bytes at ``config`` (a key of ``_SM80_FORWARD_SHARED`` or
+    ``_SM80_BACKWARD_SHARED``, ``table``)."""
+    shared = table[config]
     return (shared["bias"] if bias else shared["none"]) + (
         shared["mask"] - shared["none"] if mask else 0)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Static:
     """Everything the kernels are specialised on (hashable: custom_vjp's non-differentiable arg)."""
@@ -1641,15 +1690,15 @@ def blocksparse_attention(
                          f"got {bwd_blocks!r}")
     D = query.shape[-1] if hasattr(query, "shape") and len(query.shape) == 4 else 0
     dtype = getattr(query, "dtype", jnp.float32)
-    dkv, dq = _pair(bwd_blocks or BlockSizes.backward(D, dtype))
     default_block = (128, 128)
     spec, scale, bias, cap = _prepare(query, key, value, q_segment_ids, kv_segment_ids, q_positions,
                                       kv_positions, softmax_aux, bias, attention_mask,
                                       logits_soft_cap, qkv_layouts, softmax_scale, mask_builder,
                                       sliding_window, chunk_size, causal, default_block)
-    fwd = fwd_blocks or BlockSizes.forward(
-        D, dtype, bias=bias is not None,
-        mask=spec.rule is not None and spec.rule.attention_mask is not None)
+    pair_tiles = dict(bias=bias is not None,
+                      mask=spec.rule is not None and spec.rule.attention_mask is not None)
+    fwd = fwd_blocks or BlockSizes.forward(D, dtype, **pair_tiles)
+    dkv, dq = _pair(bwd_blocks or BlockSizes.backward(D, dtype, **pair_tiles))
     fwd, dkv, dq = _fit(fwd, spec), _fit(dkv, spec), _fit(dq, spec)
     for blocks in (fwd, dkv, dq):
         power_of_two(blocks.block_q, "block_q")

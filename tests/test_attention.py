@@ -267,12 +267,13 @@ def test_default_tiles_fit_shared_memory():
 
 @pytest.mark.parametrize("bad", [jnp.ones(3, bool), 1, "yes", None])
 @pytest.mark.parametrize("name", ["bias", "mask"])
-def test_forward_defaults_refuse_what_is_not_a_bool(name, bad):
-    """``bias`` and ``mask`` of ``BlockSizes.forward`` say whether the call has one: an array (the
-    bias itself, passed by mistake) or another non-bool is a ValueError naming the argument, not
-    an error from ``bias or mask`` deep inside."""
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_defaults_refuse_what_is_not_a_bool(direction, name, bad):
+    """``bias`` and ``mask`` of ``BlockSizes.forward`` and ``.backward`` say whether the call has
+    one: an array (the bias itself, passed by mistake) or another non-bool is a ValueError
+    naming the argument, not an error from ``bias or mask`` deep inside."""
     with pytest.raises(ValueError, match=f"^{name} must be True or False"):
-        BlockSizes.forward(128, jnp.bfloat16, **{name: bad}, shared_memory=166912)
+        getattr(BlockSizes, direction)(128, jnp.bfloat16, **{name: bad}, shared_memory=166912)
 
 
 @offline_compile
@@ -280,9 +281,10 @@ def test_forward_defaults_refuse_what_is_not_a_bool(name, bad):
 def test_default_tiles_fit_smaller_gpus(arch, limit):
     """On a GPU with less shared memory than Hopper's (an A100: 166912 bytes a block; sm_86 and
     sm_89, RTX 30xx and 40xx, A10, L4: 101376), the default tiles take fewer stages or smaller
-    tiles and compile within it: bfloat16 D64 and D128, float32 D128, plain, with a bias and
-    with a mask, forward and backward (the Hopper defaults ask for up to 327680 bytes on sm_80:
-    tools/forward_shared_memory.py). The backward keeps its defaults, which fit both."""
+    tiles and compile within it: bfloat16 D64, D128 and D256, float32 D128 and D256, plain,
+    with a bias and with a mask, forward and backward (the Hopper defaults ask for up to 327680
+    bytes on sm_80: tools/forward_shared_memory.py). The backward keeps its defaults, which fit
+    both, but for float32 at D256 (196608 bytes on sm_80)."""
     assert compiled_package_launches("smaller_gpu_attention_child.py", arch=arch,
                                      shared_memory=limit) >= 27
 
@@ -290,36 +292,60 @@ def test_default_tiles_fit_smaller_gpus(arch, limit):
 @pytest.mark.parametrize("limit", [None, 232448, 300000, 230000, 166912, 101376, 40000])
 @pytest.mark.parametrize("dtype, head_dim", [(jnp.bfloat16, 128), (jnp.bfloat16, 64),
                                              (jnp.float16, 96), (jnp.float32, 128),
-                                             (jnp.float32, 64), (jnp.bfloat16, 256)])
-def test_forward_defaults_follow_shared_memory(limit, dtype, head_dim, monkeypatch):
-    """``BlockSizes.forward`` keeps the Hopper defaults where a block has Hopper's shared memory or
-    more (or no driver says); with less, the first config of ``_SMALLER_FORWARDS`` from the
-    Hopper default on (fewer stages, then smaller tiles) whose recorded sm_80 bytes fit; the
-    smallest where none fits; the default where nothing is recorded (head dim 256). Never more
-    stages than the Hopper default: 230000 bytes hold the plain default's three stages with a
-    mask on sm_80 (229376), but the default with a mask takes two."""
-    from ejk_lite.attention import _SMALLER_FORWARDS, _forward_shared_bytes
+                                             (jnp.float32, 64), (jnp.bfloat16, 256),
+                                             (jnp.float32, 192), (jnp.bfloat16, 512)])
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_defaults_follow_shared_memory(direction, limit, dtype, head_dim, monkeypatch):
+    """``BlockSizes.forward`` and ``.backward`` keep the Hopper defaults where a block has
+    Hopper's shared memory or more (or no driver says); with less, the first config of
+    ``_SMALLER_FORWARDS`` (``_SMALLER_BACKWARDS``) from the Hopper default on (fewer stages,
+    then smaller tiles) whose recorded sm_80 bytes fit; the smallest where none fits; the
+    default where nothing is listed (the backward up to head dim 128, any head dim past 256).
+    Never more stages than the Hopper default: 230000 bytes hold the plain default's three
+    stages with a mask on sm_80 (229376), but the default with a mask takes two."""
+    from ejk_lite.attention import (_SM80_BACKWARD_SHARED, _SM80_FORWARD_SHARED,
+                                    _SMALLER_BACKWARDS, _SMALLER_FORWARDS, _shared_bytes)
 
     monkeypatch.setattr(ejk_lite.attention, "max_shared_memory", lambda: None)  # "no driver"
+    lists, table = ((_SMALLER_FORWARDS, _SM80_FORWARD_SHARED) if direction == "forward"
+                    else (_SMALLER_BACKWARDS, _SM80_BACKWARD_SHARED))
     itemsize = jnp.dtype(dtype).itemsize
-    key = (itemsize, 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256)
+    key = (itemsize, max(64, 1 << (head_dim - 1).bit_length()))
     for bias, mask in [(False, False), (True, False), (False, True), (True, True)]:
-        hopper = BlockSizes._hopper_forward(head_dim, dtype, bias or mask)
-        got = BlockSizes.forward(head_dim, dtype, bias=bias, mask=mask, shared_memory=limit)
+        if direction == "forward":
+            hopper = BlockSizes._hopper_forward(head_dim, dtype, bias or mask)
+            plain = BlockSizes._hopper_forward(head_dim, dtype, False)  # the list starts from it
+        else:
+            hopper = plain = BlockSizes._hopper_backward(head_dim, dtype)
+        got = getattr(BlockSizes, direction)(head_dim, dtype, bias=bias, mask=mask,
+                                             shared_memory=limit)
         tiles = (got.block_q, got.block_kv, got.num_warps, got.num_stages)
-        if limit is None or limit >= 232448 or key not in _SMALLER_FORWARDS:
+        if limit is None or limit >= 232448 or key not in lists:
             assert got == hopper
             continue
-        configs = _SMALLER_FORWARDS[key]
-        plain = BlockSizes._hopper_forward(head_dim, dtype, False)  # the list starts from it
+        configs = lists[key]
         assert configs[0] == (plain.block_q, plain.block_kv, plain.num_warps, plain.num_stages)
         configs = configs[configs.index(
             (hopper.block_q, hopper.block_kv, hopper.num_warps, hopper.num_stages)):]
-        fits = [c for c in configs if _forward_shared_bytes(key + c, bias, mask) <= limit]
+        fits = [c for c in configs if _shared_bytes(table, key + c, bias, mask) <= limit]
         assert tiles == (fits[0] if fits else configs[-1]), (bias, mask)
         assert got.num_stages <= hopper.num_stages, (bias, mask)
         if fits:
-            assert _forward_shared_bytes(key + tiles, bias, mask) <= limit
+            assert _shared_bytes(table, key + tiles, bias, mask) <= limit
+    # Literal cases, not the search restated: at D256 the Hopper defaults ask sm_80 for 139264
+    # bytes (bf16 and float32 forward) and 196608 (float32 backward, its dK/dV kernel).
+    picked = {("forward", jnp.bfloat16, 256, 101376): (64, 64, 4, 1),
+              ("forward", jnp.float32, 192, 101376): (16, 16, 4, 1),
+              ("forward", jnp.float32, 192, 166912): (32, 32, 4, 1),
+              ("backward", jnp.float32, 192, 166912): (32, 16, 4, 1),
+              ("backward", jnp.float32, 192, 101376): (16, 16, 4, 1),
+              ("backward", jnp.bfloat16, 256, 101376): (32, 32, 4, 1)}
+    if (direction, dtype, head_dim, limit) in picked:
+        got = getattr(BlockSizes, direction)(head_dim, dtype, shared_memory=limit)
+        assert (got.block_q, got.block_kv, got.num_warps, got.num_stages) == picked[
+            direction, dtype, head_dim, limit]
+    if direction == "backward":
+        return
     # Literal cases, not the search restated: just below Hopper's limit a bf16 D128 call with a
     # mask keeps the default's two stages (the list's first, three, fits sm_80's 229376 bytes).
     if limit == 230000 and (dtype, head_dim) == (jnp.bfloat16, 128):
