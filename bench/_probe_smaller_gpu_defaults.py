@@ -22,7 +22,14 @@ float32 4.5-4.8e-7; chunked float32 1.5-3.9e-7). On this GPU:
   Hopper default of float32 inputs, not followed: one run, and the 16-bit default was timed
   in bfloat16.)
 
+``--head-dim-256`` (session 26, H200, d7c2d55, B1 H4 T1024 D256 causal; output and the
+gradients of q, k, v against float64): bfloat16 2.0e-3 and 2.4e-3 at every limit's tiles
+(forward 64 x 64 at 2 stages, 1 on sm_86/89; backward 32 x 32); float32 7.1-7.3e-7 and 1.3e-6
+(forward 32 x 32, 16 x 16 on sm_86/89; backward 32 x 32, 32 x 16 on an A100, 16 x 16 on
+sm_86/89). Checked only, not timed.
+
     python3 bench/_probe_smaller_gpu_defaults.py            # GPU
+    python3 bench/_probe_smaller_gpu_defaults.py --head-dim-256   # GPU: attention at D256 only
     python3 bench/_probe_smaller_gpu_defaults.py --quick    # interpreter: small shapes
 """
 from __future__ import annotations
