@@ -109,13 +109,9 @@ class BlockSizes:
         by the bytes :data:`_SM80_FORWARD_SHARED` records, starting from the Hopper default
         (never more stages than it has)."""
         bias, mask = static_bool(bias, "bias"), static_bool(mask, "mask")
-        default = BlockSizes._hopper_forward(head_dim, dtype, bias or mask)
-        limit = (max_shared_memory() if shared_memory is None
-                 else static_int(shared_memory, "shared_memory", minimum=1))
-        if limit is None or limit >= _HOPPER_SHARED_MEMORY:
-            return default
-        return _fitting(default, _SMALLER_FORWARDS, _SM80_FORWARD_SHARED, head_dim,
-                        jnp.dtype(dtype).itemsize, bias, mask, limit)
+        return _fitting(BlockSizes._hopper_forward(head_dim, dtype, bias or mask),
+                        _SMALLER_FORWARDS, _SM80_FORWARD_SHARED, head_dim, dtype, bias, mask,
+                        shared_memory)
 
     @staticmethod
     def _hopper_forward(head_dim: int, dtype: Any, pair_tiles: bool) -> BlockSizes:
@@ -148,13 +144,8 @@ class BlockSizes:
         bytes (:data:`_SM80_BACKWARD_SHARED`, the larger of the two kernels') fit is
         taken."""
         bias, mask = static_bool(bias, "bias"), static_bool(mask, "mask")
-        default = BlockSizes._hopper_backward(head_dim, dtype)
-        limit = (max_shared_memory() if shared_memory is None
-                 else static_int(shared_memory, "shared_memory", minimum=1))
-        if limit is None or limit >= _HOPPER_SHARED_MEMORY:
-            return default
-        return _fitting(default, _SMALLER_BACKWARDS, _SM80_BACKWARD_SHARED, head_dim,
-                        jnp.dtype(dtype).itemsize, bias, mask, limit)
+        return _fitting(BlockSizes._hopper_backward(head_dim, dtype), _SMALLER_BACKWARDS,
+                        _SM80_BACKWARD_SHARED, head_dim, dtype, bias, mask, shared_memory)
 
     @staticmethod
     def _hopper_backward(head_dim: int, dtype: Any) -> BlockSizes:
@@ -244,10 +235,12 @@ _SM80_BACKWARD_SHARED = {
 }
 
 
-def _fitting(default: BlockSizes, lists: dict, table: dict, head_dim: int, itemsize: int,
-             bias: bool, mask: bool, limit: int) -> BlockSizes:
-    """The first config of ``lists`` (``_SMALLER_FORWARDS`` or ``_SMALLER_BACKWARDS``), from
-    ``default`` on, whose bytes in ``table`` fit ``limit`` (with a bias and a mask both, the
+def _fitting(default: BlockSizes, lists: dict, table: dict, head_dim: int, dtype: Any,
+             bias: bool, mask: bool, shared_memory: int | None) -> BlockSizes:
+    """``default`` (Hopper's) where a block may use ``shared_memory`` bytes (``None``: what the
+    driver says of GPU 0) and that is Hopper's or more, or no driver says; else the first
+    config of ``lists`` (``_SMALLER_FORWARDS`` or ``_SMALLER_BACKWARDS``), from
+    ``default`` on, whose bytes in ``table`` fit the limit (with a bias and a mask both, the
     bias's bytes plus what the mask adds: an estimate, that pair was not compiled, and the
     bytes are not additive everywhere); if none fits, the smallest (and the launch's
     shared-memory check names ``fwd_blocks`` or ``bwd_blocks``). ``default`` where nothing is
@@ -257,7 +250,11 @@ def _fitting(default: BlockSizes, lists: dict, table: dict, head_dim: int, items
     default has two stages where its list starts at three (sm_90 overflows at three, 262144
     bytes with a mask), and sm_80's bytes (229376 with a mask) would let a limit just below
     Hopper's take three."""
-    key = (itemsize, next_power_of_2(max(head_dim, 64)))
+    limit = (max_shared_memory() if shared_memory is None
+             else static_int(shared_memory, "shared_memory", minimum=1))
+    if limit is None or limit >= _HOPPER_SHARED_MEMORY:
+        return default
+    key = (jnp.dtype(dtype).itemsize, next_power_of_2(max(head_dim, 64)))
     candidates = lists.get(key, [])
     if candidates:  # every list holds its default (a ValueError here if an edit drops it)
         candidates = candidates[candidates.index(
