@@ -96,7 +96,8 @@ class BlockSizes:
     @staticmethod
     def forward(head_dim: int, dtype: Any = jnp.bfloat16, bias: bool = False,
                 mask: bool = False, shared_memory: int | None = None) -> BlockSizes:
-        """Defaults measured on an H100 (bench/attention.py); float32 tiles are twice the bytes, so
+        """Defaults measured on an H100 (bench/attention.py), by ``head_dim``, the wider of the
+        query/key and the value head dims; float32 tiles are twice the bytes, so
         smaller (at 128 x 64 with three stages they overflow shared memory). ``bias``, ``mask``:
         the kernel also loads a tile per (query, key) pair of a block, of a ``bias`` or a dense
         ``attention_mask``: a third buffer in every pipeline stage.
@@ -182,8 +183,8 @@ _SMALLER_FORWARDS = {
     (4, 128): [(64, 64, 4, 2), (64, 64, 4, 1), (64, 32, 4, 2), (64, 32, 4, 1), (32, 32, 4, 2),
                (32, 32, 4, 1)],
     (4, 64): [(64, 64, 4, 2), (64, 64, 4, 1), (64, 32, 4, 2), (64, 32, 4, 1), (32, 32, 4, 1)],
-    (2, 256): [(64, 64, 4, 2), (64, 64, 4, 1), (64, 32, 4, 2), (64, 32, 4, 1), (32, 32, 4, 2),
-               (32, 32, 4, 1), (32, 16, 4, 1), (16, 16, 4, 1)],
+    (2, 256): [(64, 64, 4, 2), (64, 64, 4, 1), (64, 32, 4, 1), (32, 32, 4, 1), (32, 16, 4, 1),
+               (16, 16, 4, 1)],
     (4, 256): [(32, 32, 4, 1), (32, 16, 4, 1), (16, 16, 4, 1)],
 }
 _SM80_FORWARD_SHARED = {
@@ -214,23 +215,23 @@ _SM80_FORWARD_SHARED = {
     (4, 256, 16, 16, 4, 1): dict(none=65536, bias=67584, mask=65536),
     (2, 256, 64, 64, 4, 2): dict(none=139264, bias=155648, mask=147456),
     (2, 256, 64, 64, 4, 1): dict(none=73728, bias=73728, mask=81920),
-    (2, 256, 64, 32, 4, 2): dict(none=86016, bias=94208, mask=90112),
     (2, 256, 64, 32, 4, 1): dict(none=53248, bias=53248, mask=57344),
-    (2, 256, 32, 32, 4, 2): dict(none=67584, bias=71680, mask=69632),
     (2, 256, 32, 32, 4, 1): dict(none=34816, bias=36864, mask=36864),
     (2, 256, 32, 16, 4, 1): dict(none=25600, bias=26624, mask=26624),
     (2, 256, 16, 16, 4, 1): dict(none=16896, bias=17408, mask=17408),
 }
 # The backward's, likewise (the larger of its two kernels' bytes; both take the config). Its
 # defaults fit sm_80 and sm_89 but for float32 at head dims past 128 (196608 bytes on sm_80,
-# the dK/dV kernel; bfloat16 at D256 69632 at most: tools/forward_shared_memory.py).
+# the dK/dV kernel; bfloat16 at D256 69632 at most, plain, with a bias and with a mask:
+# tools/compile_check.py --package --shared). 16 x 32 was compiled too and dropped: 163840
+# bytes, more than 32 x 16's 147456 (as 64 x 32 and 32 x 32 at 2 stages were dropped from
+# the bfloat16 D256 forward's list: more bytes than the config before them).
 _SMALLER_BACKWARDS = {
-    (4, 256): [(32, 32, 4, 1), (32, 16, 4, 1), (16, 32, 4, 1), (16, 16, 4, 1)],
+    (4, 256): [(32, 32, 4, 1), (32, 16, 4, 1), (16, 16, 4, 1)],
 }
 _SM80_BACKWARD_SHARED = {
     (4, 256, 32, 32, 4, 1): dict(none=196608, bias=196608, mask=196608),
     (4, 256, 32, 16, 4, 1): dict(none=147456, bias=147456, mask=147456),
-    (4, 256, 16, 32, 4, 1): dict(none=163840, bias=163840, mask=163840),
     (4, 256, 16, 16, 4, 1): dict(none=98304, bias=98304, mask=98304),
 }
 
@@ -1686,6 +1687,11 @@ def blocksparse_attention(
         raise ValueError(f"bwd_blocks must be a BlockSizes or a pair (dkv, dq) of them, "
                          f"got {bwd_blocks!r}")
     D = query.shape[-1] if hasattr(query, "shape") and len(query.shape) == 4 else 0
+    # The defaults follow the wider of the two head dims: a value tile of 256 columns in a
+    # D128 call's tiles (128 x 128, 3 stages) asked sm_90 for 327680 bytes (compiled as
+    # jax-triton compiles), past Hopper's 232448.
+    head_dim = max(D, value.shape[-1] if hasattr(value, "shape") and len(value.shape) == 4
+                   else 0)
     dtype = getattr(query, "dtype", jnp.float32)
     default_block = (128, 128)
     spec, scale, bias, cap = _prepare(query, key, value, q_segment_ids, kv_segment_ids, q_positions,
@@ -1694,8 +1700,8 @@ def blocksparse_attention(
                                       sliding_window, chunk_size, causal, default_block)
     pair_tiles = dict(bias=bias is not None,
                       mask=spec.rule is not None and spec.rule.attention_mask is not None)
-    fwd = fwd_blocks or BlockSizes.forward(D, dtype, **pair_tiles)
-    dkv, dq = _pair(bwd_blocks or BlockSizes.backward(D, dtype, **pair_tiles))
+    fwd = fwd_blocks or BlockSizes.forward(head_dim, dtype, **pair_tiles)
+    dkv, dq = _pair(bwd_blocks or BlockSizes.backward(head_dim, dtype, **pair_tiles))
     fwd, dkv, dq = _fit(fwd, spec), _fit(dkv, spec), _fit(dq, spec)
     for blocks in (fwd, dkv, dq):
         power_of_two(blocks.block_q, "block_q")

@@ -374,11 +374,12 @@ class ChunkedConfig:
 
         * ``attention`` (``_gk_attention_kernel``, the per-key gate's) at one stage instead of
           two, on every GPU. Measured (H200, float32, B4 T4096 H16 K=V=128, per-key gate,
-          ``bench/_probe_chunked_gk.py --dtype float32``, medians of 10, checked, not
-          recorded): the kernel 1.050 -> 0.828 ms, forward 2.224 -> 2.006 ms, forward +
-          backward 6.357 -> 6.135; at B2 T4096 H8, forward 0.608 -> 0.561
-          (``bench/_probe_smaller_gpu_defaults.py``). bfloat16 was even in the same run
-          (forward 0.4595 / 0.4586 ms, forward + backward 1.8709 / 1.8725): kept at two.
+          ``bench/_probe_chunked_gk.py --dtype float32``, medians of 10, checked against the
+          float32 reference, not recorded): the kernel 1.050 -> 0.828 ms, forward 2.224 ->
+          2.006 ms, forward + backward 6.357 -> 6.135; at B2 T4096 H8, forward 0.608 ->
+          0.561 (``bench/_probe_smaller_gpu_defaults.py``). Timed at K = V = 128 only;
+          larger head dims take it untimed. bfloat16 was even in the same run (forward
+          0.4595 / 0.4586 ms, forward + backward 1.8709 / 1.8725): kept at two.
         * On a GPU with less than 131072 bytes a block, ``fused_output`` at 2 stages too: at 3
           it compiles to 131072 bytes for sm_89 (``tools/compile_check.py --package --arch 89
           --shared``), past the 101376 of sm_86 and sm_89 (RTX 30xx and 40xx, A10, L4), where

@@ -38,7 +38,7 @@ HEAD_DIMS = {head_dims}
 rng = np.random.default_rng(0)
 f32 = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
 T = 128
-SMALL = BlockSizes(32, 32, num_warps=4, num_stages=1)  # the other direction's: not counted
+SMALL = BlockSizes(32, 32, num_warps=4, num_stages=1)  # the backward runs' forward (below)
 for direction, lists in (("fwd", _SMALLER_FORWARDS), ("bwd", _SMALLER_BACKWARDS)):
     for (itemsize, D), configs in lists.items():
         if HEAD_DIMS and D not in HEAD_DIMS:
@@ -89,7 +89,8 @@ def main() -> None:
         key = (itemsize, shape[4], shape[6], shape[7], meta["num_warps"], meta["num_stages"])
         lists = _SMALLER_FORWARDS if direction == "fwd" else _SMALLER_BACKWARDS
         if key[2:] not in lists.get(key[:2], []):
-            continue  # not one of the lists' configs (the other direction's SMALL)
+            continue  # not one of the lists' configs: a backward run's forward at SMALL
+        # (where SMALL is in a forward list, its launch there is the same as the forward run's)
         pair = "bias" if logits[3] else "mask" if rule[3] else "none"  # HAS_BIAS, HAS_TOKEN_MASK
         fn = getattr(importlib.import_module(launch["module"]), launch["name"])
         saved = compile_check.SHARED_MEMORY[80]
