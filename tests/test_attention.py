@@ -303,17 +303,19 @@ def test_defaults_follow_shared_memory(direction, limit, dtype, head_dim, monkey
     Hopper's shared memory or more (or no driver says); with less, the first config of
     ``_SMALLER_FORWARDS`` (``_SMALLER_BACKWARDS``) from the Hopper default on (fewer stages,
     then smaller tiles) whose recorded sm_80 bytes fit; the smallest where none fits; the
-    default where nothing is listed (the backward up to head dim 128, any head dim past 256).
+    default where nothing is listed (the backward but for float32 past head dim 128, any head
+    dim past 256).
     Never more stages than the Hopper default: 230000 bytes hold the plain default's three
     stages with a mask on sm_80 (229376), but the default with a mask takes two."""
     from ejk_lite.attention import (_SM80_BACKWARD_SHARED, _SM80_FORWARD_SHARED,
                                     _SMALLER_BACKWARDS, _SMALLER_FORWARDS, _shared_bytes)
+    from ejk_lite.checks import next_power_of_2
 
     monkeypatch.setattr(ejk_lite.attention, "max_shared_memory", lambda: None)  # "no driver"
     lists, table = ((_SMALLER_FORWARDS, _SM80_FORWARD_SHARED) if direction == "forward"
                     else (_SMALLER_BACKWARDS, _SM80_BACKWARD_SHARED))
     itemsize = jnp.dtype(dtype).itemsize
-    key = (itemsize, max(64, 1 << (head_dim - 1).bit_length()))
+    key = (itemsize, next_power_of_2(max(head_dim, 64)))  # the lists' key: padded head dim
     for bias, mask in [(False, False), (True, False), (False, True), (True, True)]:
         if direction == "forward":
             hopper = BlockSizes._hopper_forward(head_dim, dtype, bias or mask)

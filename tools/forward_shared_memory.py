@@ -9,8 +9,11 @@ forward config's figure is the larger of the forward's two launches (the optimis
 retry); a backward config's, the largest of the dK/dV and dQ kernels' four. Prints the tables'
 entries, ready to paste::
 
-    python tools/forward_shared_memory.py                  # everything: about 15 minutes
-    python tools/forward_shared_memory.py --head-dims 256  # the lists of one padded head dim
+    python tools/forward_shared_memory.py                  # every list (not timed whole)
+    python tools/forward_shared_memory.py --head-dims 256  # one padded head dim: 11 min, 2 cores
+
+(The forward lists of head dims 64 and 128 alone took about 8 minutes on 2 cores. The name
+stays from when the script did the forward only.)
 """
 
 from __future__ import annotations
