@@ -8,13 +8,18 @@ import sys
 import zlib
 from pathlib import Path
 
-import jax
-import numpy as np
-import pytest
+# The README runs the tests under pytest-xdist, a worker per core: on a GPU every worker (and each
+# chapter's kernel) would otherwise take 75% of the GPU's memory when JAX starts. Set before
+# ejk_lite (and with it JAX's backend) is imported.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-import ejk_lite  # noqa: F401  (settles TRITON_INTERPRET before any test defines a kernel)
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import ejk_lite  # noqa: E402,F401  (settles TRITON_INTERPRET before any test defines a kernel)
 # The tolerances and the error metric, shared with bench/ (ejk_lite.testing says why each).
-from ejk_lite.testing import TOLERANCE, relative_error, tolerance  # noqa: F401
+from ejk_lite.testing import TOLERANCE, relative_error, tolerance  # noqa: E402,F401
 
 jax.config.update("jax_enable_x64", False)
 
