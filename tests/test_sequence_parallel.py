@@ -52,6 +52,7 @@ def run_child(group: str) -> list[dict]:
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
 
 
+@pytest.mark.heavy  # a child process each: 45-276 s on 2 cores (conftest)
 @pytest.mark.parametrize("group", list(CASES))
 def test_sharded_op_gives_the_one_device_answer_and_gradients(group):
     results = [r for r in run_child(group) if "shards" in r]
