@@ -69,7 +69,7 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
     """The ``heavy`` tests first (a stable sort). Measured on 2 cores under 2 workers, cold
     Triton cache: the offline compiles 77-421 s each, the sequence-parallel children 45-276 s;
-    the other 1780 tests take about 4 s each. Started last, one of them would keep one worker
+    the other 1784 tests 4764 s in all, 2.7 s each on average (at 8c9ff8a). Started last, one of them would keep one worker
     busy for minutes after the other ran out of tests; started first, pytest-xdist's worksteal
     spreads the short tests around them."""
     items.sort(key=lambda item: item.get_closest_marker("heavy") is None)
