@@ -20,7 +20,10 @@ A trial here, without a GPU (Triton's interpreter; ``--workers 0`` where pytest-
   in a kernel of its own, started together, all finished within ~180 s). The suite has grown:
   on 2026-11-24, 1301 tests took 539 s with 12 workers, 1304 took 387 s with 16 (the machine's
   16 cores; the 10 chapters ran beside them and finished within 300 s):
-  - the unit tests under pytest-xdist (``--workers``), counted from a JUnit XML report;
+  - the unit tests under pytest-xdist (``--workers``, ``--dist worksteal``), counted from a JUnit
+    XML report; ``tests_timing.log`` (tests/conftest.py, ``EJK_TEST_TIMING``) gives the slowest
+    tests and, if the tests are killed, those still running; a test running past ``HUNG_TEST``
+    seconds has its stacks written to ``tests.log``;
   - every ``book/*.ipynb`` (found by glob), each run by ``notebook`` in a process of its own,
     started a second apart (``--stagger``);
   - the hosted-notebook path: a chapter (``--fresh``) copied out of the repository and run where
@@ -73,6 +76,7 @@ PACKAGES = ["jax", "jaxlib", "jax-cuda13-plugin", "triton", "jax-triton", "torch
 FULL_TESTS = ["tests"]
 SLOW_CHAPTER = 60  # seconds: a chapter slower than this lists its slowest cells
 SLOWEST = 5
+SLOWEST_TESTS = 10
 
 
 # ----------------------------------------------------------------------------------------------
@@ -235,12 +239,48 @@ def wait(jobs: list[Job], deadline: float = math.inf) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
+HUNG_TEST = 180  # seconds: a test running longer has every thread's stack written to tests.log
+
+
 def tests_job(args, out: Path) -> Job:
     workers = ["-n", str(args.workers)] if args.workers else []  # -n 0 would still need xdist
+    if args.workers and xdist_version() >= (3, 2):
+        # As in the README: a worker out of tests takes queued ones from a busy one. Under the
+        # default (--dist load) the tests queued behind a slow one wait for it.
+        workers += ["--dist", "worksteal"]
     cmd = [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", *workers,
-           f"--junitxml={out / 'tests.xml'}", *shlex.split(args.tests)]
+           "-o", f"faulthandler_timeout={HUNG_TEST}", f"--junitxml={out / 'tests.xml'}",
+           *shlex.split(args.tests)]
+    timing = out / "tests_timing.log"
+    timing.unlink(missing_ok=True)
     return Job("tests", cmd, out / "tests.log",
-               repo_env(XLA_PYTHON_CLIENT_PREALLOCATE="false"))
+               repo_env(XLA_PYTHON_CLIENT_PREALLOCATE="false", EJK_TEST_TIMING=str(timing)))
+
+
+def xdist_version() -> tuple[int, ...]:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return tuple(int(part) for part in re.findall(r"\d+", version("pytest-xdist"))[:2])
+    except PackageNotFoundError:
+        return (0,)
+
+
+def test_timing(path: Path, killed_at: float | None) -> dict:
+    """From tests/conftest.py's EJK_TEST_TIMING lines: the slowest tests and, when the tests were
+    killed, those still running then (with how long they had run)."""
+    started, seconds = {}, {}
+    lines = path.read_text().splitlines() if path.exists() else []
+    for line in lines:
+        when, _, event, nodeid = line.split(" ", 3)
+        if event == "start":
+            started[nodeid] = float(when)
+        elif nodeid in started:
+            seconds[nodeid] = round(float(when) - started.pop(nodeid), 1)
+    slowest = sorted(seconds.items(), key=lambda kv: kv[1], reverse=True)[:SLOWEST_TESTS]
+    result = {"slowest": dict(slowest)}
+    if killed_at is not None:
+        result["running_when_killed"] = {n: round(killed_at - t, 1) for n, t in started.items()}
+    return result
 
 
 def tests_result(job: Job, args, out: Path) -> dict:
@@ -256,7 +296,8 @@ def tests_result(job: Job, args, out: Path) -> dict:
                 failed.append(f"{case.get('classname')}::{case.get('name')}")
     result = {"args": shlex.split(args.tests), "workers": args.workers, "exit_status": job.rc,
               "seconds": job.seconds, **counts, "failed_ids": failed,
-              "timed_out": job.timed_out, "complete": xml.exists() and not job.timed_out}
+              "timed_out": job.timed_out, "complete": xml.exists() and not job.timed_out,
+              **test_timing(out / "tests_timing.log", job.ended if job.timed_out else None)}
     if failed or job.rc not in (0, 5):  # 5: nothing collected
         result["log_tail"] = tail(job.log.read_text(errors="replace"), 40)
     return result

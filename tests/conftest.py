@@ -5,6 +5,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import zlib
 from pathlib import Path
 
@@ -67,12 +68,51 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """The ``heavy`` tests first (a stable sort). Measured on 2 cores under 2 workers, cold
-    Triton cache: the offline compiles 77-421 s each, the sequence-parallel children 45-276 s;
-    the other 1784 tests 4764 s in all, 2.7 s each on average (at 8c9ff8a). Started last, one of them would keep one worker
-    busy for minutes after the other ran out of tests; started first, pytest-xdist's worksteal
-    spreads the short tests around them."""
-    items.sort(key=lambda item: item.get_closest_marker("heavy") is None)
+    """The ``heavy`` tests first, one worker's at a time. Measured on 2 cores under 2 workers,
+    cold Triton cache: the offline compiles 77-421 s each, the sequence-parallel children
+    45-276 s; the other 1784 tests 4764 s in all, 2.7 s each on average (at 8c9ff8a). Started
+    last, one of them would keep one worker busy for minutes after the others ran out of tests.
+
+    pytest-xdist's worksteal hands each of W workers a contiguous range of the tests (sized by
+    xdist's arithmetic, repeated below), and an idle worker takes the tail of a busy one's range.
+    So the heavy tests are dealt round-robin to the heads of the ranges. All of them at the head
+    of the first range (at c484a63) queued them on one worker, one after another: in the GPU check
+    there, with its 5 children so queued, the tests ran past 560 s."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    heavy = [item for item in items if item.get_closest_marker("heavy")]
+    light = [item for item in items if not item.get_closest_marker("heavy")]
+    ordered, left = [], len(items)
+    for w in range(workers):
+        size = left // (workers - w)  # xdist's WorkStealingScheduling.check_schedule: num_send
+        left -= size
+        head = heavy[w::workers]
+        ordered += head + light[:max(size - len(head), 0)]
+        del light[:max(size - len(head), 0)]
+    items[:] = ordered + light  # light is empty unless a range got more heavy tests than its size
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """``EJK_TEST_TIMING=<file>``: a line for each test's start and one for its end, appended as
+    they happen, where the test runs (a pytest-xdist worker). The GPU check reads it: the slowest
+    tests, and those still running when it was killed (at c484a63 its tests ran past 560 s at
+    97%, and nothing said which were left)."""
+    path = os.environ.get("EJK_TEST_TIMING")
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    if path:
+        _timing_line(path, f"{time.time():.3f} {worker} start {item.nodeid}")
+    yield
+    if path:
+        _timing_line(path, f"{time.time():.3f} {worker} end {item.nodeid}")
+
+
+def _timing_line(path: str, line: str) -> None:
+    # One write with O_APPEND: lines from several workers do not interleave.
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (line + "\n").encode())
+    finally:
+        os.close(fd)
 
 
 def compiled_package_launches(child: str, arch: int, shared_memory: int | None = None) -> int:
