@@ -7,6 +7,9 @@
   ``OUTPUT_WIDGET`` below;
 * no notebook carries outputs or execution counts: notebooks are committed clean, and the book
   build and nbmake execute them afresh;
+* every cell has an id of its own, as nbformat 4.5 asks (``CELL_ID``): nbformat warns of each
+  missing one on every read ("will become a hard error in future nbformat versions") and makes
+  up a new one in every copy it writes;
 * every chapter opens with the current setup cell for hosted notebooks, holding the repository
   URL of ``_config.yml``; the ``git clone`` commands of ``README.md`` and ``book/index.md`` clone
   that URL; ``bench/results/index.json`` lists the results files (``python
@@ -30,15 +33,26 @@ MAX_LINE = 90
 # whose mirrored state made nbclient (nbmake, the book build) wait out a cell's whole timeout
 # on the H100: the live figures go through ejk_lite.notebook.live_figure instead.
 OUTPUT_WIDGET = re.compile(r"\b(interact|interactive|interactive_output|Output)\(")
+# nbformat 4.5's cell id: 1 to 64 letters, digits, '-' and '_', unique within the notebook.
+CELL_ID = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 
 
 def problems(path: Path) -> list[str]:
     found = []
     nb = json.loads(path.read_text())
+    name = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+    ids = [cell.get("id") for cell in nb["cells"]]
+    for index, cell_id in enumerate(ids):
+        if not isinstance(cell_id, str) or not CELL_ID.fullmatch(cell_id):
+            found.append(f"{name} cell {index}: no valid cell id ({cell_id!r}): 1-64 of "
+                         "[a-zA-Z0-9_-]")
+        elif ids.index(cell_id) != index:
+            found.append(f"{name} cell {index}: cell id {cell_id!r} is cell "
+                         f"{ids.index(cell_id)}'s too")
     for index, cell in enumerate(nb["cells"]):
         if cell["cell_type"] != "code":
             continue
-        where = f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path} cell {index}"
+        where = f"{name} cell {index}"
         if cell.get("outputs"):
             found.append(f"{where}: has outputs (clear them before committing)")
         if cell.get("execution_count") is not None:
