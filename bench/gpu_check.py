@@ -265,7 +265,7 @@ def xdist_version() -> tuple[int, ...]:
         return (0,)
 
 
-def test_timing(path: Path, killed_at: float | None) -> dict:
+def timing_of_tests(path: Path, killed_at: float | None) -> dict:
     """From tests/conftest.py's EJK_TEST_TIMING lines: the slowest tests and, when the tests were
     killed, those still running then (with how long they had run)."""
     started, seconds = {}, {}
@@ -297,7 +297,7 @@ def tests_result(job: Job, args, out: Path) -> dict:
     result = {"args": shlex.split(args.tests), "workers": args.workers, "exit_status": job.rc,
               "seconds": job.seconds, **counts, "failed_ids": failed,
               "timed_out": job.timed_out, "complete": xml.exists() and not job.timed_out,
-              **test_timing(out / "tests_timing.log", job.ended if job.timed_out else None)}
+              **timing_of_tests(out / "tests_timing.log", job.ended if job.timed_out else None)}
     if failed or job.rc not in (0, 5):  # 5: nothing collected
         result["log_tail"] = tail(job.log.read_text(errors="replace"), 40)
     return result
