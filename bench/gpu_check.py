@@ -243,11 +243,10 @@ HUNG_TEST = 180  # seconds: a test running longer has every thread's stack writt
 
 
 def tests_job(args, out: Path) -> Job:
-    workers = ["-n", str(args.workers)] if args.workers else []  # -n 0 would still need xdist
-    if args.workers and xdist_version() >= (3, 2):
-        # As in the README: a worker out of tests takes queued ones from a busy one. Under the
-        # default (--dist load) the tests queued behind a slow one wait for it.
-        workers += ["--dist", "worksteal"]
+    # As in the README: a worker out of tests takes queued ones from a busy one (under xdist's
+    # default, --dist load, the tests queued behind a slow one wait for it). -n 0 would still
+    # need xdist.
+    workers = ["-n", str(args.workers), "--dist", "worksteal"] if args.workers else []
     cmd = [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", *workers,
            "-o", f"faulthandler_timeout={HUNG_TEST}", f"--junitxml={out / 'tests.xml'}",
            *shlex.split(args.tests)]
@@ -255,14 +254,6 @@ def tests_job(args, out: Path) -> Job:
     timing.unlink(missing_ok=True)
     return Job("tests", cmd, out / "tests.log",
                repo_env(XLA_PYTHON_CLIENT_PREALLOCATE="false", EJK_TEST_TIMING=str(timing)))
-
-
-def xdist_version() -> tuple[int, ...]:
-    from importlib.metadata import PackageNotFoundError, version
-    try:
-        return tuple(int(part) for part in re.findall(r"\d+", version("pytest-xdist"))[:2])
-    except PackageNotFoundError:
-        return (0,)
 
 
 def timing_of_tests(path: Path, killed_at: float | None) -> dict:

@@ -86,8 +86,9 @@ def pytest_collection_modifyitems(config, items):
         size = left // (workers - w)  # xdist's WorkStealingScheduling.check_schedule: num_send
         left -= size
         head = heavy[w::workers]
-        ordered += head + light[:max(size - len(head), 0)]
-        del light[:max(size - len(head), 0)]
+        tail = max(size - len(head), 0)
+        ordered += head + light[:tail]
+        del light[:tail]
     items[:] = ordered + light  # light is empty unless a range got more heavy tests than its size
 
 
