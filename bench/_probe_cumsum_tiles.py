@@ -14,10 +14,12 @@ timed: device time, 10 samples, min / median / max.
 
     python3 bench/_probe_cumsum_tiles.py            # GPU
     python3 bench/_probe_cumsum_tiles.py --quick    # interpreter: small shapes, checked only
+    python3 bench/_probe_cumsum_tiles.py --repeat 2 --tiles '{"float32": [[128, 32, 4, 6, 1, 0]]}'
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -41,13 +43,19 @@ QUICK_TILES = [(16, 32, 1, 3, 1, False), (16, 32, 1, 3, 4, True), (16, 64, 2, 2,
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--tiles", help="JSON {dtype: [[block_t, block_c, warps, stages, split, "
+                   "tensor_cores], ...]}: pinned tiles instead of TILES, per dtype")
+    p.add_argument("--repeat", type=int, default=1, help="time the whole list this often")
     args = p.parse_args()
+    by_dtype = json.loads(args.tiles) if args.tiles else None
     shape = (2, 100, 3, 16) if args.quick else (4, 4096, 16, 128)
     tiles = QUICK_TILES if args.quick else TILES
     rng = np.random.default_rng(0)
     copy = None if args.quick else max(copy_methods_gbs().values())
     failures = []
-    for dtype in ("float32", "bfloat16"):
+    for dtype in (tuple(by_dtype) if by_dtype else ("float32", "bfloat16")) * args.repeat:
+        if by_dtype:
+            tiles = [(*t[:5], bool(t[5])) for t in by_dtype[dtype]]
         x = jnp.asarray(rng.standard_normal(shape), dtype)
         expected = np.cumsum(np.asarray(x, np.float64), axis=1)
         fns = {"autotuned": jax.jit(lambda x: chunk_global_cumsum(x, impl="triton"))}
