@@ -13,8 +13,20 @@ checked against autodiff of a float32 XLA reference (the script fails past bfloa
 tolerance) and timed on the device (10 samples, min / median / max, each after an L2 flush),
 with the package's own backward at its defaults beside them for scale.
 
-    python3 bench/_probe_atomic_dq.py            # GPU: B4 H16 T8192 D128
-    python3 bench/_probe_atomic_dq.py --quick    # interpreter: small shapes, checked only
+    python3 bench/_probe_atomic_dq.py [--out bench/results]   # GPU: B4 H16 T8192 D128
+    python3 bench/_probe_atomic_dq.py --quick                 # interpreter: small shapes
+
+What it found (bench/results/probe_atomic_dq.json, H200, 2026-12-02; tiles BQ x BK, warps,
+stages; backward kernels only, median of 10): two kernels 6.793 ms, with the dK/dV tiles
+transposed 6.683; dQ by atomics, transposed, 7.199 at 64 x 128 with 8 warps and 3 stages (the
+best of six tiles; 64 x 64 with 4 warps 12.497). Not transposed, the atomic form ran 12-21 ms
+in an earlier run of the same probe (not recorded). So in Triton 3.6 the atomic form loses
+despite its 5 products for 7: its atomics are vectorised (``atom.global.gpu.relaxed.add.v4.f32``
+in the sm_90 PTX), but they and the dK/dV kernel's register pressure (255 registers, spills
+at every tile that fits, from ptxas -v offline) cost more than the two products saved. The
+package's own backward at its defaults ran dK/dV 4.067 ms + dQ 2.886 ms in the race's form
+(bench/_probe_attention.py, the same machine), 0.2-0.3 ms behind this probe's two kernels,
+which have no lists, no GQA loop and no NaN containment.
 """
 from __future__ import annotations
 
