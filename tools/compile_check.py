@@ -30,6 +30,12 @@ the driver refuses it at launch. (With Triton's default three stages in place of
 float32 attention forward asks for 262144 bytes, past sm_90's 232448: the check reports it.)::
 
     python tools/compile_check.py --package [tools/compile_calls.py] [--arch 90]
+
+``--registers`` adds what ptxas says of each launch (registers a thread, spilled bytes, warnings
+such as C7515, wgmma serialised): register pressure read without a GPU. For the attention
+kernels at the race's tiles::
+
+    python tools/compile_check.py --package tools/compile_calls_attention.py --arch 90 --registers
 """
 
 from __future__ import annotations
@@ -160,6 +166,9 @@ def _error_lines(error: Exception) -> list[str]:
     return [ln for ln in str(error).splitlines() if ln.strip()] or [repr(error)]
 
 
+_LAST_COMPILED = []  # the kernel compile_launch compiled last (for ptxas_resources)
+
+
 def compile_launch(fn, launch: dict, arch: int) -> int:
     """Compile one recorded launch for ``arch``; its shared memory in bytes."""
     import triton
@@ -194,12 +203,36 @@ def compile_launch(fn, launch: dict, arch: int) -> int:
     kernel = triton.compile(ASTSource(fn=jit_fn, signature=signature, constexprs=constexprs,
                                       attrs=attrs),
                             target=GPUTarget("cuda", arch, 32), options=options)
+    _LAST_COMPILED[:] = [kernel]
     # The driver refuses a launch that asks for more shared memory than a block may have; the
     # compiler does not check it (num_stages multiplies the buffers of every pipelined load).
     if kernel.metadata.shared > SHARED_MEMORY[arch]:
         raise RuntimeError(f"out of resources: shared memory {kernel.metadata.shared} bytes, "
                            f"sm_{arch} allows {SHARED_MEMORY[arch]}")
     return kernel.metadata.shared
+
+
+def ptxas_resources(kernel, arch: int) -> str:
+    """What ptxas says of a compiled kernel's PTX with ``-v``: registers a thread, spilled
+    bytes, and its performance warnings (such as C7515, wgmma serialised), on one line. Triton's
+    own ptxas, as the compile used; no driver needed. A dK/dV kernel that spills at 255
+    registers shows it here without a GPU (bench/_probe_atomic_dq.py's docstring)."""
+    import subprocess
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    ptxas = get_ptxas(arch).path
+    suffix = "a" if arch == 90 else ""  # sm_90a: the wgmma instructions need it
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "kernel.ptx"
+        ptx.write_text(kernel.asm["ptx"])
+        run = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{arch}{suffix}", str(ptx),
+                              "-o", str(Path(tmp) / "kernel.cubin")], capture_output=True,
+                             text=True)
+    said = (run.stderr + run.stdout).splitlines()
+    keep = [line.split("info    :")[-1].strip() for line in said
+            if "registers" in line or "spill" in line or "Performance" in line]
+    return "; ".join(keep)
 
 
 def check(notebook: Path, archs: list[int], timeout: int) -> int:
@@ -241,7 +274,8 @@ def record_script(script: Path) -> list[dict]:
         return json.loads(record.read_text())
 
 
-def check_package(script: Path, archs: list[int], show_shared: bool = False) -> int:
+def check_package(script: Path, archs: list[int], show_shared: bool = False,
+                  show_registers: bool = False) -> int:
     launches = record_script(script)
     import jax
 
@@ -266,6 +300,11 @@ def check_package(script: Path, archs: list[int], show_shared: bool = False) -> 
                 if show_shared:
                     print(f"ok sm_{arch} {launch['name']} {shared} bytes "
                           f"{json.dumps(launch['meta'], sort_keys=True)[:400]}")
+                if show_registers:
+                    meta = {k: v for k, v in launch["meta"].items()
+                            if not isinstance(v, dict)}
+                    print(f"ok sm_{arch} {launch['name']} {json.dumps(meta)[:300]}\n  "
+                          + ptxas_resources(_LAST_COMPILED[0], arch))
             except Exception as error:  # noqa: BLE001 (report every failure, then go on)
                 failures += 1
                 lines = _error_lines(error)
@@ -288,6 +327,9 @@ def main() -> int:
     parser.add_argument("--timeout", type=int, default=900, help="seconds per cell")
     parser.add_argument("--shared", action="store_true",
                         help="--package: print each launch's shared memory, in bytes")
+    parser.add_argument("--registers", action="store_true",
+                        help="--package: print what ptxas -v says of each launch: registers "
+                             "a thread, spilled bytes, performance warnings")
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("unset TRITON_INTERPRET: this process must compile (the notebook runs elsewhere)")
@@ -295,7 +337,8 @@ def main() -> int:
         parser.error("give notebooks, --package, or both")
     failures = sum(check(nb.resolve(), args.arch, args.timeout) for nb in args.notebooks)
     if args.package is not None:
-        failures += check_package(args.package.resolve(), args.arch, args.shared)
+        failures += check_package(args.package.resolve(), args.arch, args.shared,
+                                  args.registers)
     return 1 if failures else 0
 
 
