@@ -284,8 +284,9 @@ def main():
               f"{both['median_ms']:.3f} ms (vjp recomputes the forward): backward ~"
               f"{both['median_ms'] - fwd['median_ms']:.3f} ms", flush=True)
     if args.out:
+        # "variants", not "rows": the Performance chapter reads a file's "rows" as bench rows
         write_result(args.out, "probe_atomic_dq", dict(shape=[B, H, T, D], dtype="bfloat16",
-                                                       rows=rows, failures=failures))
+                                                       variants=rows, failures=failures))
     if failures:
         sys.exit("failed: " + "; ".join(failures))
 
