@@ -20,6 +20,7 @@ tolerance) and timed: device time, 10 samples, min / median / max.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -39,7 +40,7 @@ from ejk_lite.launch import triton_call  # noqa: E402
 
 @triton.jit
 def tc_walk_kernel(x_ptr, T, out_ptr, C: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                   NUM_STAGES: tl.constexpr, ONE_DOT: tl.constexpr):
+                   NUM_STAGES: tl.constexpr, ONE_DOT: tl.constexpr, FREE: tl.constexpr):
     cols = tl.program_id(0) * BC + tl.arange(0, BC)
     row = tl.program_id(1).to(tl.int64) * T * C
     r = tl.arange(0, BT)
@@ -51,22 +52,27 @@ def tc_walk_kernel(x_ptr, T, out_ptr, C: tl.constexpr, BT: tl.constexpr, BC: tl.
         offsets = row + tokens[:, None] * C + cols[None, :]
         mask = (tokens < T)[:, None] & (cols < C)[None, :]
         x = tl.load(x_ptr + offsets, mask=mask, other=0.0)
-        sums = tl.dot(lower, x, carry)
+        if FREE:  # no product waits on the last block's: the carry is added elementwise
+            sums = tl.dot(lower, x) + carry
+        else:
+            sums = tl.dot(lower, x, carry)
         tl.store(out_ptr + offsets, sums.to(out_ptr.dtype.element_ty), mask=mask)
-        if ONE_DOT:  # the block's total from the sums' last row, broadcast (a reduction)
+        if FREE:
+            carry += tl.dot(ones, x)
+        elif ONE_DOT:  # the block's total from the sums' last row, broadcast (a reduction)
             last = tl.sum(tl.where((r == BT - 1)[:, None], sums, 0.0), axis=0)
             carry = tl.zeros([BT, BC], dtype=tl.float32) + last[None, :]
         else:
             carry = tl.dot(ones, x, carry)
 
 
-def tc_walk(x, bt, bc, warps, stages, one_dot=False):
+def tc_walk(x, bt, bc, warps, stages, one_dot=False, free=False):
     b, t, h, k = x.shape
     c = h * k
     out = triton_call(x.reshape(b, t, c), t, kernel=tc_walk_kernel,
                       out_shape=jax.ShapeDtypeStruct((b, t, c), x.dtype),
                       grid=(triton.cdiv(c, bc), b), num_warps=warps, num_stages=stages,
-                      C=c, BT=bt, BC=bc, NUM_STAGES=stages, ONE_DOT=one_dot)
+                      C=c, BT=bt, BC=bc, NUM_STAGES=stages, ONE_DOT=one_dot, FREE=free)
     return out.reshape(x.shape)
 
 
@@ -75,22 +81,26 @@ TILES = [(64, 64, 4, 4, False), (64, 64, 4, 5, False), (64, 64, 4, 6, False),
          (64, 64, 4, 8, False), (64, 128, 4, 4, False), (64, 128, 4, 6, False),
          (128, 64, 4, 4, False), (128, 64, 4, 6, False), (64, 64, 8, 6, False),
          (32, 64, 4, 6, False), (64, 128, 8, 4, False), (32, 128, 4, 6, False)]
-QUICK_TILES = [(16, 16, 1, 2, False), (32, 16, 2, 3, True)]
+QUICK_TILES = [(16, 16, 1, 2, False), (32, 16, 2, 3, True), (16, 16, 1, 2, False, True)]
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--tiles", help="JSON [[BT, BC, warps, stages, one_dot, free], ...] instead "
+                   "of TILES, on the benchmark's shape only")
     args = p.parse_args()
     shape = (2, 100, 2, 16) if args.quick else (4, 4096, 16, 128)
     tiles = QUICK_TILES if args.quick else TILES
+    if args.tiles:
+        tiles = [tuple(t) for t in json.loads(args.tiles)]
     rng = np.random.default_rng(0)
     copy = None
     if not args.quick:
         copy = max(copy_methods_gbs().values())
         print(f"copy ceiling {copy:.0f} GB/s", flush=True)
     failures = []
-    shapes = [shape] if args.quick else [shape, (8, 8192, 16, 128)]
+    shapes = [shape] if args.quick or args.tiles else [shape, (8, 8192, 16, 128)]
     for shape in shapes:
         for dtype in ("bfloat16",):
             x = jnp.asarray(rng.standard_normal(shape), dtype)
@@ -98,7 +108,8 @@ def main():
             fns = {"main walk (autotuned)": jax.jit(
                 lambda x: chunk_global_cumsum(x, impl="triton"))}
             for tile in tiles:
-                fns["tc {}x{} {}w {}st one_dot={}".format(*tile)] = jax.jit(
+                fns["tc {}x{} {}w {}st one_dot={}".format(*tile[:5])
+                    + (" free" if tile[5:] and tile[5] else "")] = jax.jit(
                     lambda x, tile=tile: tc_walk(x, *tile))
             for name, fn in fns.items():
                 print(probe_line(f"{str(shape):18} {dtype:9} {name:32}", fn, x, expected,
