@@ -166,11 +166,9 @@ def _error_lines(error: Exception) -> list[str]:
     return [ln for ln in str(error).splitlines() if ln.strip()] or [repr(error)]
 
 
-_LAST_COMPILED = []  # the kernel compile_launch compiled last (for ptxas_resources)
-
-
-def compile_launch(fn, launch: dict, arch: int) -> int:
-    """Compile one recorded launch for ``arch``; its shared memory in bytes."""
+def compile_launch(fn, launch: dict, arch: int, compiled: list | None = None) -> int:
+    """Compile one recorded launch for ``arch``; its shared memory in bytes. ``compiled``: a
+    list the compiled kernel is appended to (for :func:`ptxas_resources`)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -203,7 +201,8 @@ def compile_launch(fn, launch: dict, arch: int) -> int:
     kernel = triton.compile(ASTSource(fn=jit_fn, signature=signature, constexprs=constexprs,
                                       attrs=attrs),
                             target=GPUTarget("cuda", arch, 32), options=options)
-    _LAST_COMPILED[:] = [kernel]
+    if compiled is not None:
+        compiled.append(kernel)
     # The driver refuses a launch that asks for more shared memory than a block may have; the
     # compiler does not check it (num_stages multiplies the buffers of every pipelined load).
     if kernel.metadata.shared > SHARED_MEMORY[arch]:
@@ -229,6 +228,8 @@ def ptxas_resources(kernel, arch: int) -> str:
         run = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{arch}{suffix}", str(ptx),
                               "-o", str(Path(tmp) / "kernel.cubin")], capture_output=True,
                              text=True)
+    if run.returncode != 0:
+        return f"ptxas failed: {(run.stderr or run.stdout).strip()[-300:]}"
     said = (run.stderr + run.stdout).splitlines()
     keep = [line.split("info    :")[-1].strip() for line in said
             if "registers" in line or "spill" in line or "Performance" in line]
@@ -295,7 +296,8 @@ def check_package(script: Path, archs: list[int], show_shared: bool = False,
         fn = getattr(importlib.import_module(launch["module"]), launch["name"])
         for arch in archs:
             try:
-                shared = compile_launch(fn, launch, arch)
+                built = []
+                shared = compile_launch(fn, launch, arch, built)
                 compiled += 1
                 if show_shared:
                     print(f"ok sm_{arch} {launch['name']} {shared} bytes "
@@ -304,7 +306,7 @@ def check_package(script: Path, archs: list[int], show_shared: bool = False,
                     meta = {k: v for k, v in launch["meta"].items()
                             if not isinstance(v, dict)}
                     print(f"ok sm_{arch} {launch['name']} {json.dumps(meta)[:300]}\n  "
-                          + ptxas_resources(_LAST_COMPILED[0], arch))
+                          + ptxas_resources(built[0], arch))
             except Exception as error:  # noqa: BLE001 (report every failure, then go on)
                 failures += 1
                 lines = _error_lines(error)
