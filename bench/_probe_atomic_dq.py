@@ -9,8 +9,8 @@ per tile pair, a zeroed dQ buffer and a conversion after.
 
 Both forms here are written the same way (dense causal attention, no lists, no NaN
 containment, head-first [B, H, T, D] bfloat16), so the only difference is the dQ. Each is
-checked against autodiff of a float32 XLA reference (the script fails past bfloat16's
-tolerance) and timed on the device (10 samples, min / median / max, each after an L2 flush),
+checked against autodiff of the package's dense float32 reference (the script fails past
+bfloat16's tolerance) and timed on the device (10 samples, min / median / max, each after an L2 flush),
 with the package's own backward at its defaults beside them for scale.
 
     python3 bench/_probe_atomic_dq.py [--out bench/results]   # GPU: B4 H16 T8192 D128
@@ -46,6 +46,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from common import relative_error, time_stats_ms, tolerance, write_result  # noqa: E402
+from ejk_lite.attention import reference as attention_reference  # noqa: E402
 from ejk_lite.launch import triton_call  # noqa: E402
 
 LOG2E = 1.4426950408889634
@@ -108,8 +109,9 @@ def _dkv_steps(dk, dv, k, v, offs_n, base, lse_base, first, last, dq_base, T,
 
 
 @triton.jit
-def dkv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_in_ptr, T,
-               dk_ptr, dv_ptr, dq_ptr, QK_SCALE: tl.constexpr, SM_SCALE: tl.constexpr,
+def dkv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr,
+               dq_in_ptr,  # the zeroed dQ, aliased to dq_ptr (jax-triton's convention)
+               T, dk_ptr, dv_ptr, dq_ptr, QK_SCALE: tl.constexpr, SM_SCALE: tl.constexpr,
                BQ: tl.constexpr, BK: tl.constexpr, D: tl.constexpr, ATOMIC: tl.constexpr,
                TRANSPOSED: tl.constexpr):
     """Grid (T / BK, B * H): dK, dV of one key block (ATOMIC: and its share of dQ), causal."""
@@ -197,14 +199,14 @@ def backward(q, k, v, do, lse2, delta, form, dkv_tiles, dq_tiles):
     return dq, dk, dv
 
 
-def reference(q, k, v):
-    """Causal softmax attention in float32 (XLA): out, and the base-2 lse the kernels take."""
-    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+def base2_lse(q, k):
+    """The rows' log-sum-exp of the causal logits in base 2, float32: what the kernels take
+    (the package's reference returns the output only)."""
+    q, k = q.astype(jnp.float32), k.astype(jnp.float32)
     T = q.shape[2]
     s = jnp.einsum("bhtd,bhsd->bhts", q, k) / math.sqrt(q.shape[-1])
     s = jnp.where(jnp.tril(jnp.ones((T, T), bool)), s, -jnp.inf)
-    lse = jax.nn.logsumexp(s, axis=-1)
-    return jnp.einsum("bhts,bhsd->bhtd", jnp.exp(s - lse[..., None]), v), lse * LOG2E
+    return jax.nn.logsumexp(s, axis=-1) * LOG2E
 
 
 # name: (form, dK/dV tiles, dQ tiles), tiles (BQ, BK, warps, stages)
@@ -233,13 +235,16 @@ def main():
     B, H, T, D = (1, 2, 128, 32) if args.quick else (4, 16, 8192, 128)
     keys = jax.random.split(jax.random.key(0), 4)
     q, k, v, do = (jax.random.normal(kk, (B, H, T, D), jnp.bfloat16) for kk in keys)
-    out, lse2 = jax.jit(reference)(q, k, v)
-    delta = jnp.sum(out * do.astype(jnp.float32), axis=-1)
+    # The package's dense reference (float32) gives the output, so delta, and by autodiff the
+    # gradients the kernels are checked against.
+    dense = jax.jit(lambda q, k, v: attention_reference(q, k, v, causal=True))
+    lse2 = jax.jit(base2_lse)(q, k)
+    delta = jnp.sum(dense(q, k, v) * do.astype(jnp.float32), axis=-1)
     # float32 inputs, so the gradients are not rounded to bfloat16; on the GPU one batch row
     # (the float32 gradient of T = 8192 holds several [H, T, T] arrays)
     n_checked = B if args.quick else 1
     one = [x[:n_checked].astype(jnp.float32) for x in (q, k, v, do)]
-    expected = jax.vjp(lambda q, k, v: reference(q, k, v)[0], *one[:3])[1](one[3])
+    expected = jax.vjp(dense, *one[:3])[1](one[3])
     variants = json.loads(args.variants) if args.variants else VARIANTS
     if args.quick:
         variants = QUICK_VARIANTS
