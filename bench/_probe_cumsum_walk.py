@@ -67,7 +67,7 @@ import numpy as np  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from common import copy_methods_gbs, probe_line  # noqa: E402
+from common import copy_methods_gbs, device_median_ms, probe_line  # noqa: E402
 from ejk_lite import chunk_global_cumsum  # noqa: E402
 from ejk_lite.launch import triton_call  # noqa: E402
 
@@ -99,7 +99,8 @@ def _block(x, carry, lower, ones, MODE: tl.constexpr):
 
 @triton.jit
 def walk_kernel(x_ptr, T, scale, out_ptr, C: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                NUM_STAGES: tl.constexpr, MODE: tl.constexpr, UNMASKED: tl.constexpr):
+                NUM_STAGES: tl.constexpr, MODE: tl.constexpr, UNMASKED: tl.constexpr,
+                HINTS: tl.constexpr):
     cols = tl.program_id(0) * BC + tl.arange(0, BC)
     col_mask = cols < C
     row = tl.program_id(1).to(tl.int64) * T * C
@@ -107,6 +108,9 @@ def walk_kernel(x_ptr, T, scale, out_ptr, C: tl.constexpr, BT: tl.constexpr, BC:
     out_ptr += row
     scale = tl.cast(scale, tl.float32)
     r = tl.arange(0, BT)
+    # HINTS: every element is read once and written once, so ask the caches not to keep them
+    EVICT: tl.constexpr = "evict_first" if HINTS else ""
+    STORE_CACHE: tl.constexpr = ".cs" if HINTS else ""
     if MODE == 0:
         carry = tl.zeros([BC], dtype=tl.float32)
         lower = None
@@ -122,15 +126,17 @@ def walk_kernel(x_ptr, T, scale, out_ptr, C: tl.constexpr, BT: tl.constexpr, BC:
         for first in tl.range(0, walked, BT, num_stages=NUM_STAGES):
             offsets = (first + r)[:, None] * C + cols[None, :]
             if EVEN_C:
-                x = tl.load(x_ptr + offsets)
+                x = tl.load(x_ptr + offsets, eviction_policy=EVICT)
             else:
-                x = tl.load(x_ptr + offsets, mask=col_mask[None, :], other=0.0)
+                x = tl.load(x_ptr + offsets, mask=col_mask[None, :], other=0.0,
+                            eviction_policy=EVICT)
             sums, carry = _block(x, carry, lower, ones, MODE)
             if EVEN_C:
-                tl.store(out_ptr + offsets, (sums * scale).to(out_ptr.dtype.element_ty))
+                tl.store(out_ptr + offsets, (sums * scale).to(out_ptr.dtype.element_ty),
+                         cache_modifier=STORE_CACHE)
             else:
                 tl.store(out_ptr + offsets, (sums * scale).to(out_ptr.dtype.element_ty),
-                         mask=col_mask[None, :])
+                         mask=col_mask[None, :], cache_modifier=STORE_CACHE)
     for first in tl.range(walked, T, BT, num_stages=NUM_STAGES):
         tokens = first + r
         offsets = tokens[:, None] * C + cols[None, :]
@@ -212,14 +218,35 @@ def lookback(x, bt, bc, warps, dot):
     return out.reshape(x.shape)
 
 
-def walk(x, bt, bc, warps, stages, mode, unmasked):
+@triton.jit
+def hinted_copy_kernel(x_ptr, y_ptr, N: tl.constexpr, BLOCK: tl.constexpr):
+    """common._copy_kernel with the walk's cache hints: if they speed a stream up, the ceiling
+    has to be measured with them too."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < N, eviction_policy="evict_first")
+    tl.store(y_ptr + offs, x, mask=offs < N, cache_modifier=".cs")
+
+
+def hinted_copy_gbs(n_bytes=1 << 30, block=1024):
+    """GB/s (read + write) of ``hinted_copy_kernel`` over ``n_bytes`` of bfloat16, checked."""
+    n = n_bytes // 2
+    x = jax.random.normal(jax.random.key(0), (n,), jnp.bfloat16)
+    fn = jax.jit(lambda a: triton_call(a, kernel=hinted_copy_kernel, grid=(-(-n // block),),
+                                       out_shape=jax.ShapeDtypeStruct(a.shape, a.dtype),
+                                       N=n, BLOCK=block))
+    if not np.array_equal(np.asarray(fn(x)), np.asarray(x)):
+        raise RuntimeError("hinted copy: wrong result")
+    return 2 * n_bytes / (device_median_ms(lambda: fn(x)) * 1e-3) / 1e9
+
+
+def walk(x, bt, bc, warps, stages, mode, unmasked, hints=0):
     b, t, h, k = x.shape
     c = h * k
     out = triton_call(x.reshape(b, t, c), t, 1.0, kernel=walk_kernel,
                       out_shape=jax.ShapeDtypeStruct((b, t, c), x.dtype),
                       grid=(triton.cdiv(c, bc), b), num_warps=warps, num_stages=stages,
                       C=c, BT=bt, BC=bc, NUM_STAGES=stages, MODE=MODES[mode],
-                      UNMASKED=bool(unmasked))
+                      UNMASKED=bool(unmasked), HINTS=bool(hints))
     return out.reshape(x.shape)
 
 
@@ -247,6 +274,8 @@ def main():
     p.add_argument("--quick", action="store_true")
     p.add_argument("--forms", help="JSON {dtype: [[BT, BC, warps, stages, mode, unmasked]]} "
                    "instead of FORMS; mode 'lookback' takes [BT, BC, warps, 1, 'lookback', dot]")
+    p.add_argument("--hinted-copy", action="store_true",
+                   help="also time a copy kernel with the cache hints (not in the ceiling)")
     p.add_argument("--repeat", type=int, default=1, help="time the whole list this often")
     args = p.parse_args()
     forms = QUICK_FORMS if args.quick else FORMS
@@ -255,9 +284,16 @@ def main():
     # the quick shape: 100 tokens (not a multiple of a block), 48 columns (not of 32)
     shape = (2, 100, 3, 16) if args.quick else (4, 4096, 16, 128)
     rng = np.random.default_rng(0)
-    copy = None if args.quick else max(copy_methods_gbs().values())
-    if copy:
-        print(f"copy ceiling {copy:.0f} GB/s", flush=True)
+    copy = None
+    if not args.quick:
+        methods = copy_methods_gbs()
+        copy = max(methods.values())
+        print(f"copy ceiling {copy:.0f} GB/s", {k: round(v) for k, v in methods.items()},
+              flush=True)
+        if args.hinted_copy:
+            for block in (1024, 4096):
+                print(f"hinted triton copy, {block} a program: {hinted_copy_gbs(block=block):.0f}"
+                      " GB/s", flush=True)
     failures = []
     for _ in range(args.repeat):
         for dtype, tiles in forms.items():
@@ -270,7 +306,8 @@ def main():
                     fns["{}x{} {}w lookback dot={}".format(*t[:3], t[5])] = jax.jit(
                         lambda x, t=tuple(t): lookback(x, *t[:3], t[5]))
                     continue
-                fns["{}x{} {}w {}st {} unmasked={}".format(*t)] = jax.jit(
+                fns["{}x{} {}w {}st {} unmasked={}".format(*t[:6])
+                    + (" hints" if t[6:] and t[6] else "")] = jax.jit(
                     lambda x, t=tuple(t): walk(x, *t))
             for name, fn in fns.items():
                 print(probe_line(f"{dtype:9} {name:36}", fn, x, expected, failures, copy),
