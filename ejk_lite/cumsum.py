@@ -189,11 +189,8 @@ def _scan_blocks(
         # Masked tokens load as 0: they add nothing to the sums of the tokens that are kept.
         x = tl.load(x_ptr + offsets, mask=mask & keep, other=0.0)
         if DOT:
-            # The products start from zero, the carry is added after: no product waits on
-            # the last block's (the comment above _GLOBAL_TILES: with 7 stages, 2 to 3 points
-            # more of the copy ceiling)
-            sums = tl.dot(lower, x) + carry
-            carry += tl.dot(ones, x)
+            sums = tl.dot(lower, x, carry)
+            carry = tl.dot(ones, x, carry)
         else:
             x = x.to(tl.float32)
             sums = tl.cumsum(x, axis=0) + carry[None, :]
@@ -234,10 +231,10 @@ def _scan_span(
         sums    = L @ x + running      L: [BLOCK_T, BLOCK_T], ones on and below the diagonal
         running = 1 @ x + running      1: [BLOCK_T, BLOCK_T], all ones
 
-    ``running`` is a float32 ``[BLOCK_T, BLOCK_C]`` tile whose every row is the carry. The
-    products are accumulated in float32 and added to it: x and the ones are exact in 16 bits, so
-    are their products, and every sum is float32 wide (the tensor cores' own rounding, not
-    IEEE's; a carry rounded to 16 bits would lose up to 2**-8 of it a block in bfloat16). Why:
+    ``running`` is a float32 ``[BLOCK_T, BLOCK_C]`` tile whose every row is the carry, and it is
+    both products' accumulator: x and the ones are exact in 16 bits, so are their products, and
+    every sum is accumulated at float32 width (the tensor cores' own rounding, not IEEE's; a
+    carry rounded to 16 bits would lose up to 2**-8 of it a block in bfloat16). Why:
     ``tl.cumsum`` of a tall tile passes partial sums between lanes and warps, about one warp
     instruction per element, which bounds a 16-bit walk (the comment above ``_GLOBAL_TILES``).
 
@@ -476,14 +473,13 @@ def _local_autotuned(chunk_size: int):
 # 5aab3e4), where the probe's kernel gave 85.7% in a run of its own. Longer inputs may want
 # 64 x 128 (91.9% at [8, 8192, 16, 128] above): not listed, since it ran the benchmark at 57.6%.
 #
-# Seven stages and the carry added elementwise instead of accumulated in the products (so that
-# a block's products do not wait on the last block's): bench/_probe_cumsum_walk.py (H200, same
-# shape, bfloat16 forward, two passes of the list in one run, % of the 4308 GB/s copy): the
-# walk so changed 87.5 and 87.0 (without the mask on full blocks 85.7 and 85.5), the package as
-# it was 83.7 and 84.8, its walk pinned to this tile with 6 stages 84.3 and 84.7. The earlier
-# run of that probe had the elementwise carry at 6 stages at 84.4 and 85.0; the tile below had 6
-# stages before. Whether the carry accumulated in the products gains as much at 7 stages was not
-# measured.
+# Seven stages, not six: pinned through CumsumConfig (bench/_probe_cumsum_tiles.py, H200, same
+# shape, bfloat16 forward, two passes in one run, % of copy), with the carry added after the
+# products (a form tried then, not kept): 7 stages 85.1 and 84.5, 6 stages 82.8 and 82.8,
+# 8 stages 85.0 and 83.2. The walk alone (bench/_probe_cumsum_walk.py, no packed sequences, no
+# scale, same run) at 7 stages: 87.3 with the carry accumulated in the products, 86.1 with it
+# added after (one sample each); at 6 stages in an earlier run 84.8 and 84.3 accumulated, 84.4
+# and 85.0 added after. So the carry stays in the products' accumulator.
 _GLOBAL_TILES = [  # (BLOCK_T, BLOCK_C, num_warps, NUM_STAGES, SPLIT, USE_DOT)
     (64, 32, 4, 3, 1, False),  # first: CumsumConfig()'s default, what the interpreter runs
     (128, 32, 4, 3, 1, False),
