@@ -21,28 +21,30 @@ one thing changed at a time:
 * ``lookback`` (its own kernel): one block a program, chained to the blocks before it by a
   decoupled look-back (``lookback_kernel``), ``dot`` = 1 for the block scanned as ``L @ x``.
 
-Measured (H200, [4, 4096, 16, 128], two passes of the list in one run, % of the 4311 GB/s
-copy; the probe as first committed, the forms now in FORMS and the look-back tiles given by
-``--forms``):
+Measured (H200, [4, 4096, 16, 128], % of the copy ceiling, 4311 GB/s in the first run): two
+runs of two passes each, the first with the forms now in FORMS, the second (as first committed)
+with the look-back tiles added; the four figures of a form are run 1 then run 2:
 
-* bfloat16: the package (autotuned) 84.7, 84.8, 84.8, 83.7; the walk pinned to the package's
-  tile (64 x 64, 8 warps, 6 stages, ``dot``) 84.8, 84.3, 84.6, 84.3; ``free`` at 6 stages 84.4
-  and 85.0, unmasked 82.7 and 83.8; ``free`` unmasked at 7 stages 84.6, 86.1, 85.3, 85.7
-  (about 1 point over the package's, no more than the spread between runs); 4 warps 74.7.
+* bfloat16: the package (autotuned) 84.7, 84.8, -, 83.7 (run 2's first line is not in the
+  log kept); the walk pinned to the package's tile (64 x 64, 8 warps, 6 stages, ``dot``) 84.8,
+  84.3, 84.6, 84.3; ``free`` at 6 stages 84.4 and 85.0, unmasked 82.7 and 83.8 (run 1 only);
+  ``free`` unmasked at 7 stages 84.6, 86.1, 85.3, 85.7 (about 1 point over the package's, no
+  more than the spread between runs); 4 warps 74.7 and 74.1.
 * float32: the package 84.9, 84.7, 84.0, 84.0; the walk 128 x 32, 4 warps, 3 stages, 82.1,
-  82.0, 80.8, 80.7 masked and 84.0, 84.2, 84.4, 84.3 unmasked (the package's autotuned pick,
-  not recorded, runs as the unmasked one does); 64 x 32 73.6, 128 x 16 77.8; ``tf32x2`` 25.4
+  82.0, 80.8, 80.7 masked and 84.0, 84.2, 84.4, 84.3 unmasked (the package, autotuned, runs as
+  fast as the unmasked one); 64 x 32 73.6, 128 x 16 77.8; ``tf32x2`` 25.4
   (64 x 64, 8 warps), 51.0 (64 x 32), 73.8 and 74.2 (32 x 64), relative error 7.2e-6 against
   the tolerance 1e-5: slower and less exact.
-* the look-back: slower everywhere, 27.8 to 40.2% in bfloat16 and 53.1 to 72.5% in float32
-  (the best: 128 x 32, 4 warps), and *wrong* on three tiles of 64 columns (relative errors
-  3.1e-2 to 9.6e-2; right on the others). A likely cause, not verified: a column's ``[BC]``
-  look-back state is held by several threads (Triton replicates a row's slice across the
-  threads of the token axis), each of which reads the published word on its own; two copies
-  can read it on either side of a publish and go on with different prefixes. Its time is
-  spent waiting, not moving bytes: left there.
+* the look-back: slower everywhere, 27.8 to 40.2% in bfloat16 and 53.1 to 72.5% in float32 (the
+  best: 128 x 32, 4 warps), and *wrong* on four tiles of 64 or 128 columns (64 x 64 bfloat16 and
+  float32, 64 x 128 and 128 x 64 bfloat16; the last in one pass of two; relative errors 3.1e-2
+  to 9.6e-2; right on the tiles of 32 or 16 columns). A likely cause, not verified: a column's
+  ``[BC]`` look-back state is held by several threads (Triton replicates a row's slice across
+  the threads of the token axis), each of which reads the published word on its own; two copies
+  can read it on either side of a publish and go on with different prefixes. Its time is spent
+  waiting, not moving bytes: left there.
 
-After these two runs: nothing here is a win beyond the spread. Then:
+After these two runs nothing here was a win beyond the spread. Then:
 
 A third run (``--hinted-copy`` and the forms with a seventh field, ``hints``: loads
 ``evict_first``, stores ``.cs``): the hinted copy 4178 GB/s (1024 a program) and 4068 (4096),
