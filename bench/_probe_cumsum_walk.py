@@ -48,14 +48,16 @@ After these two runs nothing here was a win beyond the spread. Then:
 
 A third run (``--hinted-copy`` and the forms with a seventh field, ``hints``: loads
 ``evict_first``, stores ``.cs``): the hinted copy 4178 GB/s (1024 a program) and 4068 (4096),
-below the plain Triton copy's 4308: the hints do not raise the ceiling. bfloat16, two passes:
-the package 83.7, 84.8; 64 x 64, 8 warps, ``dot`` at 6 stages 84.3, 84.7 (hinted 85.1, 84.1);
-``free`` at 7 stages 87.5, 87.0 masked (hinted 87.7, 86.7), 85.7, 85.5 unmasked (hinted 84.5,
-84.5); at 8 stages unmasked hinted 85.9, 85.2. float32: the package 85.0, 84.1; 128 x 32
-unmasked 84.8, 83.5, hinted 82.7, 83.4; masked hinted 81.9, 81.4; 256 x 32 8 warps 2 stages
-hinted 63.9, 63.1; 128 x 32 at 4 stages hinted 75.4, 74.2. A fourth (one pass): 7 stages,
-masked, ``dot`` 87.3 and ``free`` 86.1. So seven stages, not the elementwise carry or the
-hints, is what helps: the package's 16-bit tile now has 7 (the comment above ``_GLOBAL_TILES``).
+below the plain Triton copy's 4308: the hints do not raise the ceiling. (That run timed the
+hinted copy with a kernel of this file's own, since folded into ``common._copy_kernel``.)
+bfloat16, two passes: the package 83.7, 84.8; 64 x 64, 8 warps, ``dot`` at 6 stages 84.3, 84.7
+(hinted 85.1, 84.1); ``free`` at 7 stages 87.5, 87.0 masked (hinted 87.7, 86.7), 85.7, 85.5
+unmasked (hinted 84.5, 84.5); at 8 stages unmasked hinted 85.9, 85.2. float32: the package 85.0,
+84.1; 128 x 32 unmasked 84.8, 83.5, hinted 82.7, 83.4; masked hinted 81.9, 81.4; 256 x 32 8
+warps 2 stages hinted 63.9, 63.1; 128 x 32 at 4 stages hinted 75.4, 74.2. A fourth (one pass): 7
+stages, masked, ``dot`` 87.3 and ``free`` 86.1. So seven stages, not the elementwise carry or
+the hints, is what helps: the package's 16-bit tile now has 7 (the comment above
+``_GLOBAL_TILES``).
 
 Each form is checked against float64 by the tests' metric and tolerance (the script fails on an
 error past it) and timed: device time, 10 samples, min / median / max; ``--repeat`` times the
@@ -80,7 +82,7 @@ import numpy as np  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from common import copy_methods_gbs, device_median_ms, probe_line  # noqa: E402
+from common import copy_methods_gbs, probe_line  # noqa: E402
 from ejk_lite import chunk_global_cumsum  # noqa: E402
 from ejk_lite.launch import triton_call  # noqa: E402
 
@@ -231,27 +233,6 @@ def lookback(x, bt, bc, warps, dot):
     return out.reshape(x.shape)
 
 
-@triton.jit
-def hinted_copy_kernel(x_ptr, y_ptr, N: tl.constexpr, BLOCK: tl.constexpr):
-    """common._copy_kernel with the walk's cache hints: if they speed a stream up, the ceiling
-    has to be measured with them too."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + offs, mask=offs < N, eviction_policy="evict_first")
-    tl.store(y_ptr + offs, x, mask=offs < N, cache_modifier=".cs")
-
-
-def hinted_copy_gbs(n_bytes=1 << 30, block=1024):
-    """GB/s (read + write) of ``hinted_copy_kernel`` over ``n_bytes`` of bfloat16, checked."""
-    n = n_bytes // 2
-    x = jax.random.normal(jax.random.key(0), (n,), jnp.bfloat16)
-    fn = jax.jit(lambda a: triton_call(a, kernel=hinted_copy_kernel, grid=(-(-n // block),),
-                                       out_shape=jax.ShapeDtypeStruct(a.shape, a.dtype),
-                                       N=n, BLOCK=block))
-    if not np.array_equal(np.asarray(fn(x)), np.asarray(x)):
-        raise RuntimeError("hinted copy: wrong result")
-    return 2 * n_bytes / (device_median_ms(lambda: fn(x)) * 1e-3) / 1e9
-
-
 def walk(x, bt, bc, warps, stages, mode, unmasked, hints=0):
     b, t, h, k = x.shape
     c = h * k
@@ -288,7 +269,7 @@ def main():
     p.add_argument("--forms", help="JSON {dtype: [[BT, BC, warps, stages, mode, unmasked]]} "
                    "instead of FORMS; mode 'lookback' takes [BT, BC, warps, 1, 'lookback', dot]")
     p.add_argument("--hinted-copy", action="store_true",
-                   help="also time a copy kernel with the cache hints (not in the ceiling)")
+                   help="the copy ceiling also tried with the walk's cache hints")
     p.add_argument("--repeat", type=int, default=1, help="time the whole list this often")
     args = p.parse_args()
     forms = QUICK_FORMS if args.quick else FORMS
@@ -299,14 +280,10 @@ def main():
     rng = np.random.default_rng(0)
     copy = None
     if not args.quick:
-        methods = copy_methods_gbs()
+        methods = copy_methods_gbs(hinted=args.hinted_copy)
         copy = max(methods.values())
         print(f"copy ceiling {copy:.0f} GB/s", {k: round(v) for k, v in methods.items()},
               flush=True)
-        if args.hinted_copy:
-            for block in (1024, 4096):
-                print(f"hinted triton copy, {block} a program: {hinted_copy_gbs(block=block):.0f}"
-                      " GB/s", flush=True)
     failures = []
     for _ in range(args.repeat):
         for dtype, tiles in forms.items():
@@ -325,11 +302,6 @@ def main():
             for name, fn in fns.items():
                 print(probe_line(f"{dtype:9} {name:36}", fn, x, expected, failures, copy),
                       flush=True)
-    if not args.quick:
-        from ejk_lite import cumsum as module
-        for name in ("_global_autotuned", "_global_16_bit_autotuned"):
-            cache = getattr(getattr(module, name), "cache", {})
-            print(name, {str(k): str(v) for k, v in cache.items()})
     if failures:
         sys.exit("failed: " + "; ".join(failures))
 

@@ -318,12 +318,16 @@ def dispatch_overhead_ms() -> float:
 
 
 @triton.jit
-def _copy_kernel(x_ptr, y_ptr, N: tl.constexpr, BLOCK: tl.constexpr):
+def _copy_kernel(x_ptr, y_ptr, N: tl.constexpr, BLOCK: tl.constexpr, HINTS: tl.constexpr = False):
     """y = x, BLOCK elements a program: the plainest streaming kernel, one of the copy ceilings.
     ``N`` is a constexpr: as a runtime scalar Triton cannot tell the mask ``offs < N`` is constant
-    over aligned runs, and reads one element at a time (1.1 TB/s on the H100, e8687f1)."""
+    over aligned runs, and reads one element at a time (1.1 TB/s on the H100, e8687f1).
+    ``HINTS``: loads ``evict_first``, stores ``.cs`` (streaming), for a kernel tried with those
+    hints, whose ceiling must be tried with them too (H200: 4178 GB/s against 4308 without,
+    bench/_probe_cumsum_walk.py)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < N), mask=offs < N)
+    x = tl.load(x_ptr + offs, mask=offs < N, eviction_policy="evict_first" if HINTS else "")
+    tl.store(y_ptr + offs, x, mask=offs < N, cache_modifier=".cs" if HINTS else "")
 
 
 # What the last ceilings() measured, method by method; write_result records it with every file.
@@ -331,11 +335,13 @@ CEILINGS: dict[str, Any] = {}
 
 
 def copy_methods_gbs(n_bytes: int = 1 << 30,
-                     timer: Callable[[Callable[[], Any]], float] | None = None) -> dict[str, float]:
+                     timer: Callable[[Callable[[], Any]], float] | None = None,
+                     hinted: bool = False) -> dict[str, float]:
     """Read + write bandwidth of ``n_bytes`` of bf16 moved by several methods, GB/s each: an XLA
     elementwise op (``a * 1.5``), XLA's copy of an array (``jnp.copy`` under ``jit``, a
-    device-to-device copy) and a Triton copy kernel at two block sizes. Each method's result is
-    checked exactly first (a method that moved nothing would look fast)."""
+    device-to-device copy) and a Triton copy kernel at two block sizes (``hinted``: also with
+    the cache hints of ``_copy_kernel``). Each method's result is checked exactly first (a
+    method that moved nothing would look fast)."""
     from ejk_lite.launch import triton_call
 
     timer = timer or device_median_ms
@@ -343,15 +349,19 @@ def copy_methods_gbs(n_bytes: int = 1 << 30,
     x = jax.random.normal(jax.random.key(0), (n,), jnp.bfloat16)
     scaled = (np.asarray(x, np.float32) * 1.5).astype(jnp.bfloat16)  # exact: 1.5 x rounds once
 
-    def triton_copy(block):
+    def triton_copy(block, hints=False):
         return jax.jit(lambda a: triton_call(a, kernel=_copy_kernel, grid=(-(-n // block),),
                                              out_shape=jax.ShapeDtypeStruct(a.shape, a.dtype),
-                                             N=n, BLOCK=block))
+                                             N=n, BLOCK=block, HINTS=hints))
 
     methods = {"xla a * 1.5": (jax.jit(lambda a: a * 1.5), scaled),
                "xla jnp.copy": (jax.jit(jnp.copy), np.asarray(x)),
                "triton copy, 1024 a program": (triton_copy(1024), np.asarray(x)),
                "triton copy, 8192 a program": (triton_copy(8192), np.asarray(x))}
+    if hinted:
+        for block in (1024, 4096):
+            methods[f"triton copy, {block} a program, hinted"] = (triton_copy(block, True),
+                                                                  np.asarray(x))
     found = {}
     for name, (fn, want) in methods.items():
         if not np.array_equal(np.asarray(fn(x)), want):
