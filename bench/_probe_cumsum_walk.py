@@ -59,6 +59,26 @@ stages, masked, ``dot`` 87.3 and ``free`` 86.1. So seven stages, not the element
 the hints, is what helps: the package's 16-bit tile now has 7 (the comment above
 ``_GLOBAL_TILES``).
 
+Session 31 added two forms. ``copy``: the walk's loads and stores with no scan (checked against
+x itself), the bound its tile and stages put on it. ``prefetch1``/``prefetch2``: the float32
+walk with Triton's pipelining off, the next one or two blocks loaded into registers before the
+current one is scanned (``prefetch_kernel``). Two runs (H200, copy ceiling 4288 and 4306 GB/s),
+of two and three passes; the figures of a form are its passes in order:
+
+* float32, run 1: the package 84.7, 84.6; 128 x 32 4 warps 3 stages ``walk`` 82.1, 81.6, ``copy``
+  90.6, 88.7; ``copy`` 128 x 64 91.6, 90.6, 128 x 128 91.5, 88.1, 64 x 256 52.7, 52.7;
+  ``prefetch1`` 128 x 32 4 warps 86.9, 85.6, ``prefetch2`` 85.4, 85.2; ``prefetch2`` 64 x 32
+  72.4, 72.5, 128 x 32 8 warps 70.0, 70.1, 64 x 32 2 warps 71.9, 71.6.
+* bfloat16, run 1: the package 85.0, 86.4; 64 x 64 8 warps 7 stages ``dot`` 86.6, 87.7,
+  ``copy`` 91.7, 88.6; ``copy`` 64 x 128 83.5, 82.7, 64 x 256 4 stages 61.5, 62.4.
+* float32, run 2: the package 84.5, 84.4, 84.7; ``prefetch1`` 128 x 32 4 warps 86.1, 86.2, 86.5;
+  256 x 32 82.2, 80.7, 81.8; 128 x 64 81.3, 81.2, 81.1; 128 x 16 2 warps 84.7, 84.0, 84.7;
+  256 x 16 59.3, 59.8, 59.1; 64 x 64 71.0, 71.6, 71.6; ``walk`` 128 x 128 3 stages 25.9 (all
+  three); ``walk`` 128 x 32 2 stages 59.4, 59.0, 59.4.
+
+So the float32 walk gains about 1.5 points from holding one block ahead in registers: the
+package's float32 tiles now include it (``PREFETCH``, the comment above ``_GLOBAL_TILES``).
+
 Each form is checked against float64 by the tests' metric and tolerance (the script fails on an
 error past it) and timed: device time, 10 samples, min / median / max; ``--repeat`` times the
 whole list again, so that the spread between runs shows.
@@ -86,7 +106,7 @@ from common import copy_methods_gbs, probe_line  # noqa: E402
 from ejk_lite import chunk_global_cumsum  # noqa: E402
 from ejk_lite.launch import triton_call  # noqa: E402
 
-MODES = {"walk": 0, "dot": 1, "free": 2, "tf32x2": 3}
+MODES = {"walk": 0, "dot": 1, "free": 2, "tf32x2": 3, "copy": 4}
 
 
 @triton.jit
@@ -102,6 +122,8 @@ def _block(x, carry, lower, ones, MODE: tl.constexpr):
     elif MODE == 2:
         sums = tl.dot(lower, x) + carry
         carry += tl.dot(ones, x)
+    elif MODE == 4:
+        sums = x.to(tl.float32)  # no scan: what the walk's loads and stores alone cost
     else:
         hi = (x.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
         lo = x - hi
@@ -159,6 +181,49 @@ def walk_kernel(x_ptr, T, scale, out_ptr, C: tl.constexpr, BT: tl.constexpr, BC:
         x = tl.load(x_ptr + offsets, mask=mask, other=0.0)
         sums, carry = _block(x, carry, lower, ones, MODE)
         tl.store(out_ptr + offsets, (sums * scale).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _load_block(x_ptr, first, r, cols, T, C: tl.constexpr):
+    tokens = first + r
+    mask = (tokens[:, None] < T) & (cols[None, :] < C)
+    return tl.load(x_ptr + tokens[:, None] * C + cols[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def prefetch_kernel(x_ptr, T, scale, out_ptr, C: tl.constexpr, BT: tl.constexpr,
+                    BC: tl.constexpr, AHEAD: tl.constexpr):
+    """The float32 walk (``walk``) without Triton's pipelining (no ``cp.async`` into shared
+    memory): the next ``AHEAD`` blocks are loaded into registers before the current one is
+    scanned, so that their loads are in flight during the scan."""
+    cols = tl.program_id(0) * BC + tl.arange(0, BC)
+    row = tl.program_id(1).to(tl.int64) * T * C
+    x_ptr += row
+    out_ptr += row
+    scale = tl.cast(scale, tl.float32)
+    r = tl.arange(0, BT)
+    carry = tl.zeros([BC], dtype=tl.float32)
+    x0 = _load_block(x_ptr, 0, r, cols, T, C)
+    x1 = x0
+    if AHEAD == 2:
+        x1 = _load_block(x_ptr, BT, r, cols, T, C)
+    for first in tl.range(0, T, BT, num_stages=1):
+        if AHEAD == 2:
+            x2 = _load_block(x_ptr, first + 2 * BT, r, cols, T, C)
+        else:
+            x1 = _load_block(x_ptr, first + BT, r, cols, T, C)
+        x = x0.to(tl.float32)
+        sums = tl.cumsum(x, axis=0) + carry[None, :]
+        carry += tl.sum(x, axis=0)
+        tokens = first + r
+        mask = (tokens[:, None] < T) & (cols[None, :] < C)
+        tl.store(out_ptr + tokens[:, None] * C + cols[None, :],
+                 (sums * scale).to(out_ptr.dtype.element_ty), mask=mask)
+        if AHEAD == 2:
+            x0 = x1
+            x1 = x2
+        else:
+            x0 = x1
 
 
 @triton.jit
@@ -236,6 +301,12 @@ def lookback(x, bt, bc, warps, dot):
 def walk(x, bt, bc, warps, stages, mode, unmasked, hints=0):
     b, t, h, k = x.shape
     c = h * k
+    if mode.startswith("prefetch"):  # prefetch1, prefetch2: AHEAD blocks in registers
+        out = triton_call(x.reshape(b, t, c), t, 1.0, kernel=prefetch_kernel,
+                          out_shape=jax.ShapeDtypeStruct((b, t, c), x.dtype),
+                          grid=(triton.cdiv(c, bc), b), num_warps=warps, num_stages=1,
+                          C=c, BT=bt, BC=bc, AHEAD=int(mode[-1]))
+        return out.reshape(x.shape)
     out = triton_call(x.reshape(b, t, c), t, 1.0, kernel=walk_kernel,
                       out_shape=jax.ShapeDtypeStruct((b, t, c), x.dtype),
                       grid=(triton.cdiv(c, bc), b), num_warps=warps, num_stages=stages,
@@ -259,7 +330,8 @@ QUICK_FORMS = {
                  (16, 16, 1, 1, "lookback", 1), (32, 32, 1, 1, "lookback", 0)],
     "float32": [(16, 16, 1, 1, "lookback", 0), (16, 16, 1, 2, "walk", 1),
                 (16, 32, 1, 2, "tf32x2", 1),
-                (32, 16, 1, 2, "tf32x2", 0)],
+                (32, 16, 1, 2, "tf32x2", 0), (16, 32, 1, 2, "copy", 0),
+                (16, 16, 1, 1, "prefetch1", 0), (32, 16, 1, 1, "prefetch2", 0)],
 }
 
 
@@ -289,6 +361,7 @@ def main():
         for dtype, tiles in forms.items():
             x = jnp.asarray(rng.standard_normal(shape), dtype)
             expected = np.cumsum(np.asarray(x, np.float64), axis=1)
+            copies = set()  # the "copy" forms: checked against x itself
             fns = {"package (autotuned)": jax.jit(
                 lambda x: chunk_global_cumsum(x, impl="triton"))}
             for t in tiles:
@@ -296,11 +369,14 @@ def main():
                     fns["{}x{} {}w lookback dot={}".format(*t[:3], t[5])] = jax.jit(
                         lambda x, t=tuple(t): lookback(x, *t[:3], t[5]))
                     continue
+                if t[4] == "copy":
+                    copies.add("{}x{} {}w {}st {} unmasked={}".format(*t[:6]))
                 fns["{}x{} {}w {}st {} unmasked={}".format(*t[:6])
                     + (" hints" if t[6:] and t[6] else "")] = jax.jit(
                     lambda x, t=tuple(t): walk(x, *t))
             for name, fn in fns.items():
-                print(probe_line(f"{dtype:9} {name:36}", fn, x, expected, failures, copy),
+                want = np.asarray(x, np.float64) if name in copies else expected
+                print(probe_line(f"{dtype:9} {name:36}", fn, x, want, failures, copy),
                       flush=True)
     if failures:
         sys.exit("failed: " + "; ".join(failures))

@@ -160,14 +160,34 @@ def _span_total(
 
 
 @triton.jit
+def _block(first, start, end, cols, col_mask, T, C: tl.constexpr, BLOCK_T: tl.constexpr,
+           REVERSE: tl.constexpr, TOKENS_CONTIGUOUS: tl.constexpr):
+    """``(offsets, mask)`` of the block ``first`` tokens into the walk of ``[start, end)``
+    (from ``end - 1`` backwards, ``REVERSE``): row ``i`` is the ``first + i``-th token walked."""
+    if REVERSE:
+        tokens = end - 1 - first - tl.arange(0, BLOCK_T)
+    else:
+        tokens = start + first + tl.arange(0, BLOCK_T)
+    offsets = _offsets(tokens, cols, T, C, TOKENS_CONTIGUOUS)
+    mask = (tokens[:, None] >= start) & (tokens[:, None] < end) & col_mask[None, :]
+    return offsets, mask
+
+
+@triton.jit
 def _scan_blocks(
     x_ptr, out_ptr, start, end, keep, carry, T, C: tl.constexpr, scale,
     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, NUM_STAGES: tl.constexpr,
     REVERSE: tl.constexpr, TOKENS_CONTIGUOUS: tl.constexpr, DOT: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """The walk of :func:`_scan_span` (its arguments), block by block, each block scanned with
     ``tl.cumsum`` or (``DOT``) by two matrix products; returns the running totals, a
-    ``[BLOCK_C]`` carry or (``DOT``) a ``[BLOCK_T, BLOCK_C]`` tile whose every row is one."""
+    ``[BLOCK_C]`` carry or (``DOT``) a ``[BLOCK_T, BLOCK_C]`` tile whose every row is one.
+
+    ``PREFETCH``: the next block is loaded into registers before this one is scanned, so its
+    loads are in flight during the scan, and Triton's pipelining (``cp.async`` into shared
+    memory, ``NUM_STAGES``) is off: for float32 walks the faster of the two (see
+    ``_GLOBAL_TILES``)."""
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_mask = cols < C
     # jax-triton hands a Python float over as float64: multiplying the float32 sums by it would
@@ -179,15 +199,22 @@ def _scan_blocks(
         lower = (r[:, None] >= r[None, :]).to(x_ptr.dtype.element_ty)
         ones = tl.full([BLOCK_T, BLOCK_T], 1.0, x_ptr.dtype.element_ty)
         carry = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32) + carry[None, :]
-    for first in tl.range(0, end - start, BLOCK_T, num_stages=NUM_STAGES):
-        if REVERSE:
-            tokens = end - 1 - first - tl.arange(0, BLOCK_T)
-        else:
-            tokens = start + first + tl.arange(0, BLOCK_T)
-        offsets = _offsets(tokens, cols, T, C, TOKENS_CONTIGUOUS)
-        mask = (tokens[:, None] >= start) & (tokens[:, None] < end) & col_mask[None, :]
+    STAGES: tl.constexpr = 1 if PREFETCH else NUM_STAGES
+    if PREFETCH:
+        offsets, mask = _block(0, start, end, cols, col_mask, T, C, BLOCK_T, REVERSE,
+                               TOKENS_CONTIGUOUS)
+        ahead = tl.load(x_ptr + offsets, mask=mask & keep, other=0.0)
+    for first in tl.range(0, end - start, BLOCK_T, num_stages=STAGES):
+        offsets, mask = _block(first, start, end, cols, col_mask, T, C, BLOCK_T, REVERSE,
+                               TOKENS_CONTIGUOUS)
         # Masked tokens load as 0: they add nothing to the sums of the tokens that are kept.
-        x = tl.load(x_ptr + offsets, mask=mask & keep, other=0.0)
+        if PREFETCH:
+            x = ahead
+            following, following_mask = _block(first + BLOCK_T, start, end, cols, col_mask, T,
+                                               C, BLOCK_T, REVERSE, TOKENS_CONTIGUOUS)
+            ahead = tl.load(x_ptr + following, mask=following_mask & keep, other=0.0)
+        else:
+            x = tl.load(x_ptr + offsets, mask=mask & keep, other=0.0)
         if DOT:
             sums = tl.dot(lower, x, carry)
             carry = tl.dot(ones, x, carry)
@@ -208,6 +235,7 @@ def _scan_span(
     T, C: tl.constexpr, scale,
     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, NUM_STAGES: tl.constexpr,
     REVERSE: tl.constexpr, TOKENS_CONTIGUOUS: tl.constexpr, USE_DOT: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """Write the (reverse) cumulative sum of tokens [start, end) for this program's column tile.
 
@@ -247,12 +275,12 @@ def _scan_span(
     """
     DOT: tl.constexpr = USE_DOT and x_ptr.dtype.element_ty.primitive_bitwidth == 16
     totals = _scan_blocks(x_ptr, out_ptr, start, end, keep, carry, T, C, scale, BLOCK_T, BLOCK_C,
-                          NUM_STAGES, REVERSE, TOKENS_CONTIGUOUS, DOT)
+                          NUM_STAGES, REVERSE, TOKENS_CONTIGUOUS, DOT, PREFETCH)
     if DOT:
         # abs(NaN) < inf is False too
         if tl.sum(tl.where(tl.abs(totals) < float("inf"), 0, 1)) > 0:
             _scan_blocks(x_ptr, out_ptr, start, end, keep, carry, T, C, scale, BLOCK_T, BLOCK_C,
-                         NUM_STAGES, REVERSE, TOKENS_CONTIGUOUS, False)
+                         NUM_STAGES, REVERSE, TOKENS_CONTIGUOUS, False, PREFETCH)
 
 
 # Autotuning (on the GPU) picks the tile; the interpreter and the first compile use the first
@@ -280,12 +308,12 @@ _LOCAL_TILES = [  # (BLOCK_T, BLOCK_C, num_warps, NUM_STAGES)
     (8, 512, 4, 3),
     (8, 1024, 4, 3),
 ]
-_TILE_FIELDS = ("BLOCK_T", "BLOCK_C", "num_warps", "NUM_STAGES", "SPLIT", "USE_DOT")
+_TILE_FIELDS = ("BLOCK_T", "BLOCK_C", "num_warps", "NUM_STAGES", "SPLIT", "USE_DOT", "PREFETCH")
 
 
 def _configs(tiles) -> list[triton.Config]:
     """One ``triton.Config`` per tile, a tuple of ``_TILE_FIELDS`` (the local kernel's stop at
-    ``NUM_STAGES``, the global kernel's have all six): Triton's ``num_stages`` is the walk's
+    ``NUM_STAGES``, the global kernel's have all seven): Triton's ``num_stages`` is the walk's
     ``NUM_STAGES``."""
     configs = []
     for tile in tiles:
@@ -376,7 +404,7 @@ def chunk_local_cumsum_kernel(
                             TOKENS_CONTIGUOUS=False)
     _scan_span(x_ptr + row, out_ptr + row, start, end, keep, carry, T, C, scale, BLOCK_T=BLOCK_T,
                BLOCK_C=BLOCK_C, NUM_STAGES=NUM_STAGES, REVERSE=REVERSE,
-               TOKENS_CONTIGUOUS=TOKENS_CONTIGUOUS, USE_DOT=False)
+               TOKENS_CONTIGUOUS=TOKENS_CONTIGUOUS, USE_DOT=False, PREFETCH=False)
 
 
 @triton.jit
@@ -480,24 +508,35 @@ def _local_autotuned(chunk_size: int):
 # scale, same run) at 7 stages: 87.3 with the carry accumulated in the products, 86.1 with it
 # added after (one sample each); at 6 stages in an earlier run 84.8 and 84.3 accumulated, 84.4
 # and 85.0 added after. So the carry stays in the products' accumulator.
-_GLOBAL_TILES = [  # (BLOCK_T, BLOCK_C, num_warps, NUM_STAGES, SPLIT, USE_DOT)
-    (64, 32, 4, 3, 1, False),  # first: CumsumConfig()'s default, what the interpreter runs
-    (128, 32, 4, 3, 1, False),
-    (128, 16, 4, 3, 1, False),
-    (32, 64, 4, 3, 1, False),
-    (128, 32, 8, 3, 1, False),
-    (256, 16, 8, 3, 1, False),
-    (256, 32, 8, 2, 1, False),
-    (512, 8, 4, 3, 1, False),
-    (1024, 4, 4, 3, 1, False),
+#
+# float32 walks may hold the next block in registers (PREFETCH) instead of Triton's pipelining,
+# which loads blocks into shared memory with cp.async and reads them back from there. In
+# bench/_probe_cumsum_walk.py (H200, float32 [4, 4096, 16, 128], forward, % of copy, two runs of
+# two and three passes): the package, autotuned, 84.7, 84.6 | 84.5, 84.4, 84.7; the probe's
+# walk at 128 x 32, 4 warps, one block ahead in registers 86.9, 85.6 | 86.1, 86.2, 86.5, two blocks
+# ahead 85.4, 85.2 (first run); 128 x 16 with 2 warps 84.0 to 84.7; 256 x 32, 128 x 64, 64 x 64,
+# 64 x 32 and 8 warps slower (70 to 82). The walk's loads and stores alone (its tile and stages,
+# no scan) ran at 88.7 to 90.6 in float32 and 88.6 to 91.7 in bfloat16 (64 x 64, 7 stages):
+# the scan costs a few points, the tile's access pattern the rest.
+_GLOBAL_TILES = [  # (BLOCK_T, BLOCK_C, num_warps, NUM_STAGES, SPLIT, USE_DOT, PREFETCH)
+    (64, 32, 4, 3, 1, False, False),  # first: CumsumConfig()'s, what the interpreter runs
+    (128, 32, 4, 3, 1, False, False),
+    (128, 32, 4, 1, 1, False, True),  # the next block in registers, not cp.async (above)
+    (128, 16, 4, 3, 1, False, False),
+    (32, 64, 4, 3, 1, False, False),
+    (128, 32, 8, 3, 1, False, False),
+    (256, 16, 8, 3, 1, False, False),
+    (256, 32, 8, 2, 1, False, False),
+    (512, 8, 4, 3, 1, False, False),
+    (1024, 4, 4, 3, 1, False, False),
     # An autotune candidate, not a known win: SPLIT 2 on the vector gates' best tile was slower
     # than SPLIT 1 there (above), and no input is known where it is faster.
-    (128, 32, 4, 3, 2, False),
-    (256, 16, 4, 3, 8, False),  # few, long walks (the two-pass path takes small inputs)
-    (512, 8, 4, 3, 8, False),
+    (128, 32, 4, 3, 2, False, False),
+    (256, 16, 4, 3, 8, False, False),  # few, long walks (the two-pass path takes small inputs)
+    (512, 8, 4, 3, 8, False, False),
 ]
 _GLOBAL_16_BIT_TILES = _GLOBAL_TILES + [
-    (64, 64, 8, 7, 1, True),  # the scan on the tensor cores
+    (64, 64, 8, 7, 1, True, False),  # the scan on the tensor cores
 ]
 _GLOBAL_CONFIGS = _configs(_GLOBAL_TILES)
 _GLOBAL_16_BIT_CONFIGS = _configs(_GLOBAL_16_BIT_TILES)
@@ -507,7 +546,7 @@ _GLOBAL_16_BIT_CONFIGS = _configs(_GLOBAL_16_BIT_TILES)
 def chunk_global_cumsum_kernel(
     x_ptr, cu_seqlens_ptr, T, num_seqs, scale, out_ptr,
     C: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, NUM_STAGES: tl.constexpr,
-    SPLIT: tl.constexpr, USE_DOT: tl.constexpr,
+    SPLIT: tl.constexpr, USE_DOT: tl.constexpr, PREFETCH: tl.constexpr,
     REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr, TOKENS_CONTIGUOUS: tl.constexpr,
 ):
     """Grid ``(sequences x SPLIT, column tiles, rows)``: ``SPLIT`` programs scan one sequence.
@@ -548,7 +587,7 @@ def chunk_global_cumsum_kernel(
             end = start + mine
     _scan_span(x_ptr + row, out_ptr + row, start, end, keep, carry, T, C, scale, BLOCK_T=BLOCK_T,
                BLOCK_C=BLOCK_C, NUM_STAGES=NUM_STAGES, REVERSE=REVERSE,
-               TOKENS_CONTIGUOUS=TOKENS_CONTIGUOUS, USE_DOT=USE_DOT)
+               TOKENS_CONTIGUOUS=TOKENS_CONTIGUOUS, USE_DOT=USE_DOT, PREFETCH=PREFETCH)
 
 
 _global_autotuned = triton.autotune(configs=_GLOBAL_CONFIGS, key=["T", "C"])(
@@ -611,6 +650,8 @@ class CumsumConfig:
     * ``tensor_cores``: scan each block of a 16-bit input by two matrix products on the tensor
       cores (global kernel only; see ``_scan_span``), which needs ``block_t`` and ``block_c`` of
       at least 16. A float32 input scans with ``tl.cumsum`` either way.
+    * ``prefetch``: hold the next block in registers while this one is scanned, instead of
+      Triton's pipelining (global kernel only; see ``_scan_blocks``), so ``num_stages`` must be 1.
     """
 
     block_t: int = 64
@@ -619,10 +660,11 @@ class CumsumConfig:
     num_stages: int = 3
     split: int = 1
     tensor_cores: bool = False
+    prefetch: bool = False
 
     def __post_init__(self):
         fields = validated_fields(self, powers_of_two=("block_t", "block_c", "num_warps"),
-                                  flags=("tensor_cores",))
+                                  flags=("tensor_cores", "prefetch"))
         freeze_fields(self, fields)
         for name in ("block_t", "block_c", "num_warps", "num_stages", "split"):
             if getattr(self, name) is None:
@@ -631,6 +673,11 @@ class CumsumConfig:
             # tl.dot's smallest tile: a matrix product of fewer rows or columns does not compile
             raise ValueError(f"CumsumConfig.block_t and block_c must be at least 16 with "
                              f"tensor_cores=True, got {self.block_t} and {self.block_c}")
+        if self.prefetch and self.num_stages != 1:
+            # the registers hold the next block; Triton's pipelining would hold more in shared
+            # memory on top of them
+            raise ValueError(f"CumsumConfig.num_stages must be 1 with prefetch=True, got "
+                             f"{self.num_stages}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -700,7 +747,7 @@ def _launch_rows(x, cu_seqlens, *, chunk_size, reverse, scale, head_first, out_d
             kernel = _global_16_bit_autotuned if view.dtype.itemsize == 2 else _global_autotuned
         if config is not None:
             pinned.update(BLOCK_T=config.block_t, NUM_STAGES=config.num_stages, SPLIT=config.split,
-                          USE_DOT=config.tensor_cores)
+                          USE_DOT=config.tensor_cores, PREFETCH=config.prefetch)
         out = triton_call(
             view, cu, T, num_seqs, scale, kernel=kernel, C=C,
             grid=lambda meta: (num_segments * meta["SPLIT"], cdiv(C, meta["BLOCK_C"]), N),

@@ -138,9 +138,12 @@ def run_kernels(op):
         x = jnp.asarray(rng.standard_normal((1, T, 3)), f32)
 
         # The global sum of a small input takes two passes (config None); a pinned config takes
-        # the single pass, here with its walks split over three programs each.
+        # the single pass, here with its walks split over three programs each, and with the next
+        # block loaded ahead (prefetch: its tokens past the segment must not be read).
         configs = [None] if op == "local" else [None, cumsum.CumsumConfig(block_t=4, block_c=4,
-                                                                        split=3)]
+                                                                        split=3),
+                                                cumsum.CumsumConfig(block_t=4, block_c=4, num_stages=1,
+                                                                    prefetch=True)]
 
         def launches(x, cu):
             return [cumsum._launch(x, cu, 4 if op == "local" else None, reverse, 1.0, False, f32,

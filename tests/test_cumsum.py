@@ -287,11 +287,12 @@ def test_bad_arguments_raise_value_errors(impl):
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("config", [CumsumConfig(), CumsumConfig(block_t=4, block_c=2, num_warps=1, num_stages=1),
                                     CumsumConfig(block_t=128, block_c=64, num_warps=8),
-                                    CumsumConfig(block_t=2, block_c=256, num_warps=1, num_stages=3)])
+                                    CumsumConfig(block_t=2, block_c=256, num_warps=1, num_stages=3),
+                                    CumsumConfig(block_t=4, block_c=4, num_warps=2, num_stages=1, prefetch=True)])
 def test_pinned_config(rng, op, config):
     """A pinned config (tiles smaller and larger than the data, a block_t above the chunk size, a
-    pipelined walk of short, wide blocks) gives the same sums and gradients; the backward uses
-    the same config."""
+    pipelined walk of short, wide blocks, a walk that holds the next block in registers) gives
+    the same sums and gradients; the backward uses the same config."""
     cu = cu_from_lengths([5, 0, 11, 1])
     x = make_input(rng, (1, 19, 3, 5))
     fn = chunk_local_cumsum if op == "local" else chunk_global_cumsum
@@ -307,7 +308,8 @@ def test_pinned_config(rng, op, config):
 def test_config_is_validated():
     for field, value in [("block_t", 6), ("block_c", 0), ("num_warps", 3), ("num_stages", 0), ("block_t", 8.0),
                          ("block_c", True), ("num_warps", None), ("split", 0), ("split", None),
-                         ("split", 2.0), ("tensor_cores", 1), ("tensor_cores", None)]:
+                         ("split", 2.0), ("tensor_cores", 1), ("tensor_cores", None), ("prefetch", 1),
+                         ("prefetch", "yes")]:
         with pytest.raises(ValueError, match=f"CumsumConfig.{field}"):
             CumsumConfig(**{field: value})
     with pytest.raises(ValueError, match="config"):
@@ -318,6 +320,9 @@ def test_config_is_validated():
     for block_t, block_c in [(8, 16), (16, 8)]:  # tl.dot needs 16 rows and columns at least
         with pytest.raises(ValueError, match="at least 16 with tensor_cores"):
             CumsumConfig(block_t, block_c, tensor_cores=True)
+    with pytest.raises(ValueError, match="CumsumConfig.num_stages must be 1 with prefetch=True, got 3"):
+        CumsumConfig(prefetch=True)
+    assert CumsumConfig(num_stages=1, prefetch=np.bool_(True)).prefetch is True
 
 
 # ----------------------------------------------------------------------------------------------
@@ -374,8 +379,9 @@ def test_default_config_is_the_autotuners_first():
     for configs in (cumsum._GLOBAL_CONFIGS, cumsum._GLOBAL_16_BIT_CONFIGS):
         first = configs[0]
         assert (config.block_t, config.block_c, config.num_warps, config.num_stages, config.split,
-                config.tensor_cores) == (first.kwargs["BLOCK_T"], first.kwargs["BLOCK_C"], first.num_warps,
-                                         first.num_stages, first.kwargs["SPLIT"], first.kwargs["USE_DOT"])
+                config.tensor_cores, config.prefetch) == (
+                    first.kwargs["BLOCK_T"], first.kwargs["BLOCK_C"], first.num_warps, first.num_stages,
+                    first.kwargs["SPLIT"], first.kwargs["USE_DOT"], first.kwargs["PREFETCH"])
     assert cumsum._local_configs(64)[0].kwargs["BLOCK_C"] == config.block_c
 
 
@@ -390,12 +396,14 @@ def test_configs_of_tiles():
     for configs, tiles in [(cumsum._GLOBAL_CONFIGS, _GLOBAL_TILES),
                            (cumsum._GLOBAL_16_BIT_CONFIGS, _GLOBAL_16_BIT_TILES)]:
         assert len(configs) == len(tiles)
-        for config, (block_t, block_c, num_warps, stages, split, dot) in zip(configs, tiles):
+        for config, (block_t, block_c, num_warps, stages, split, dot, prefetch) in zip(configs, tiles):
             assert config.kwargs == {"BLOCK_T": block_t, "BLOCK_C": block_c, "NUM_STAGES": stages,
-                                     "SPLIT": split, "USE_DOT": dot}
+                                     "SPLIT": split, "USE_DOT": dot, "PREFETCH": prefetch}
             assert (config.num_warps, config.num_stages) == (num_warps, stages)
+            assert not prefetch or stages == 1  # as CumsumConfig asks
     # 32-bit inputs never take the tensor cores (their products would be TF32); 16-bit ones may
-    assert not any(t[-1] for t in _GLOBAL_TILES) and any(t[-1] for t in _GLOBAL_16_BIT_TILES)
+    assert not any(t[5] for t in _GLOBAL_TILES) and any(t[5] for t in _GLOBAL_16_BIT_TILES)
+    assert any(t[6] for t in _GLOBAL_TILES)
 
 
 @pytest.mark.parametrize("chunk_size", [1, 8, 64, 256])
@@ -444,10 +452,12 @@ def test_split_walks(rng, layout, split, dtype, tensor_cores):
     the gradient in the input dtype. With ``tensor_cores`` the 16-bit inputs scan on the tensor
     cores (float32 sums all the same: a carry rounded to 16 bits fails the float32 tolerance);
     float32 ones take tl.cumsum. (On a CPU only float16 does: the interpreter hands bfloat16 to a
-    kernel as float32.)"""
+    kernel as float32.) Even splits hold the next block in registers (prefetch) instead of
+    pipelining."""
     head_first = layout.endswith("head_first")
-    config = CumsumConfig(block_t=16, block_c=16, num_warps=4, num_stages=2, split=split,
-                          tensor_cores=tensor_cores)
+    prefetch = split % 2 == 0
+    config = CumsumConfig(block_t=16, block_c=16, num_warps=4, num_stages=1 if prefetch else 2, split=split,
+                          tensor_cores=tensor_cores, prefetch=prefetch)
     cu = cu_from_lengths([37, 0, 1, 16, 5])
     for batch, tokens, cu_seqlens in [(1, int(cu[-1]) + 4, cu), (2, 75, None)]:
         x = make_input(rng, shape_of(layout, batch, tokens, heads=3, features=7), dtype)

@@ -45,12 +45,23 @@ from ejk_lite import chunk_global_cumsum  # noqa: E402
 from ejk_lite.cumsum import _GLOBAL_16_BIT_TILES, CumsumConfig  # noqa: E402
 
 x = f32(1, 150, 4, 40)
-for tile in [t for t in _GLOBAL_16_BIT_TILES if t[-1]]:
+for tile in [t for t in _GLOBAL_16_BIT_TILES if t[5]]:
     for dtype, cu in [("bfloat16", None), ("float16", packed)]:
         cfg = CumsumConfig(*tile)
         jax.grad(lambda x: chunk_global_cumsum(x, cu_seqlens=cu, impl="triton", config=cfg)
                  .astype(jnp.float32).sum())(x.astype(dtype))
 cfg = CumsumConfig(32, 16, 4, 3, split=2, tensor_cores=True)
+for shape, head_first in [((2, 3, 150), True), ((2, 150, 3, 8), False)]:
+    chunk_global_cumsum(f32(*shape).astype("bfloat16"), head_first=head_first, impl="triton",
+                        config=cfg)
+# ... and its walks that hold the next block in registers (prefetch), likewise: the autotune
+# tiles that take it, float32 and bfloat16, and one on the tensor cores, split.
+for tile in [t for t in _GLOBAL_16_BIT_TILES if t[6]]:
+    for dtype, cu in [("float32", None), ("bfloat16", packed)]:
+        cfg = CumsumConfig(*tile)
+        jax.grad(lambda x: chunk_global_cumsum(x, cu_seqlens=cu, impl="triton", config=cfg)
+                 .astype(jnp.float32).sum())(x.astype(dtype))
+cfg = CumsumConfig(32, 16, 4, 1, split=2, tensor_cores=True, prefetch=True)
 for shape, head_first in [((2, 3, 150), True), ((2, 150, 3, 8), False)]:
     chunk_global_cumsum(f32(*shape).astype("bfloat16"), head_first=head_first, impl="triton",
                         config=cfg)
