@@ -15,6 +15,7 @@ timed: device time, 10 samples, min / median / max.
     python3 bench/_probe_cumsum_tiles.py            # GPU
     python3 bench/_probe_cumsum_tiles.py --quick    # interpreter: small shapes, checked only
     python3 bench/_probe_cumsum_tiles.py --repeat 2 --tiles '{"float32": [[128, 32, 4, 6, 1, 0]]}'
+    python3 bench/_probe_cumsum_tiles.py --reverse --tiles '{"bfloat16": [[64, 64, 8, 1, 1, 1, 1]]}'
 """
 from __future__ import annotations
 
@@ -44,8 +45,9 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--tiles", help="JSON {dtype: [[block_t, block_c, warps, stages, split, "
-                   "tensor_cores], ...]}: pinned tiles instead of TILES, per dtype")
+                   "tensor_cores(, prefetch)], ...]}: pinned tiles instead of TILES, per dtype")
     p.add_argument("--repeat", type=int, default=1, help="time the whole list this often")
+    p.add_argument("--reverse", action="store_true", help="the reverse sum (the backward's)")
     args = p.parse_args()
     by_dtype = json.loads(args.tiles) if args.tiles else None
     shape = (2, 100, 3, 16) if args.quick else (4, 4096, 16, 128)
@@ -55,14 +57,18 @@ def main():
     failures = []
     for dtype in (tuple(by_dtype) if by_dtype else ("float32", "bfloat16")) * args.repeat:
         if by_dtype:
-            tiles = [(*t[:5], bool(t[5])) for t in by_dtype[dtype]]
+            tiles = [(*t[:5], *map(bool, t[5:7])) for t in by_dtype[dtype]]
         x = jnp.asarray(rng.standard_normal(shape), dtype)
-        expected = np.cumsum(np.asarray(x, np.float64), axis=1)
-        fns = {"autotuned": jax.jit(lambda x: chunk_global_cumsum(x, impl="triton"))}
+        x64 = np.asarray(x, np.float64)
+        expected = (np.flip(np.cumsum(np.flip(x64, 1), axis=1), 1) if args.reverse
+                    else np.cumsum(x64, axis=1))
+        rev = args.reverse
+        fns = {"autotuned": jax.jit(lambda x: chunk_global_cumsum(x, reverse=rev, impl="triton"))}
         for t in tiles:
             cfg = CumsumConfig(*t)
-            fns["{}x{} {}w {}st split {} tensor cores {}".format(*t)] = jax.jit(
-                lambda x, cfg=cfg: chunk_global_cumsum(x, impl="triton", config=cfg))
+            name = "{}x{} {}w {}st split {} tensor cores {}".format(*t[:6])
+            fns[name + (" prefetch" if cfg.prefetch else "")] = jax.jit(
+                lambda x, cfg=cfg: chunk_global_cumsum(x, reverse=rev, impl="triton", config=cfg))
         for name, fn in fns.items():
             print(probe_line(f"{dtype:9} {name:44}", fn, x, expected, failures, copy), flush=True)
     if failures:
