@@ -518,6 +518,13 @@ def _local_autotuned(chunk_size: int):
 # 64 x 32 and 8 warps slower (70 to 82). The walk's loads and stores alone (its tile and stages,
 # no scan) ran at 88.7 to 90.6 in float32 and 88.6 to 91.7 in bfloat16 (64 x 64, 7 stages):
 # the scan costs a few points, the tile's access pattern the rest.
+#
+# The 16-bit walk on the tensor cores, pinned (bench/_probe_cumsum_tiles.py, H200, bfloat16,
+# same shape, three passes a direction in one run, % of copy): forward 7 stages 87.2, 84.9,
+# 86.7 and 8 stages 84.3, 83.6, 84.2; reverse (the backward's sum) 7 stages 84.4, 85.2, 85.2
+# and 8 stages 86.6, 85.9, 86.7. jaxlib autotunes each launch on its own, so both tiles are
+# listed and each direction takes its own. The same tile holding its next block in registers
+# (PREFETCH, no cp.async) ran at 49 to 63: the products want their operand in shared memory.
 _GLOBAL_TILES = [  # (BLOCK_T, BLOCK_C, num_warps, NUM_STAGES, SPLIT, USE_DOT, PREFETCH)
     (64, 32, 4, 3, 1, False, False),  # first: CumsumConfig()'s, what the interpreter runs
     (128, 32, 4, 3, 1, False, False),
@@ -536,7 +543,8 @@ _GLOBAL_TILES = [  # (BLOCK_T, BLOCK_C, num_warps, NUM_STAGES, SPLIT, USE_DOT, P
     (512, 8, 4, 3, 8, False, False),
 ]
 _GLOBAL_16_BIT_TILES = _GLOBAL_TILES + [
-    (64, 64, 8, 7, 1, True, False),  # the scan on the tensor cores
+    (64, 64, 8, 7, 1, True, False),  # the scan on the tensor cores: the forward's pick
+    (64, 64, 8, 8, 1, True, False),  # the reverse sum's (below)
 ]
 _GLOBAL_CONFIGS = _configs(_GLOBAL_TILES)
 _GLOBAL_16_BIT_CONFIGS = _configs(_GLOBAL_16_BIT_TILES)
