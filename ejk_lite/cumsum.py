@@ -522,9 +522,12 @@ def _local_autotuned(chunk_size: int):
 # The 16-bit walk on the tensor cores, pinned (bench/_probe_cumsum_tiles.py, H200, bfloat16,
 # same shape, three passes a direction in one run, % of copy): forward 7 stages 87.2, 84.9,
 # 86.7 and 8 stages 84.3, 83.6, 84.2; reverse (the backward's sum) 7 stages 84.4, 85.2, 85.2
-# and 8 stages 86.6, 85.9, 86.7. jaxlib autotunes each launch on its own, so both tiles are
-# listed and each direction takes its own. The same tile holding its next block in registers
-# (PREFETCH, no cp.async) ran at 49 to 63: the products want their operand in shared memory.
+# and 8 stages 86.6, 85.9, 86.7. So each direction lists its own (_GLOBAL_16_BIT_TILES, by
+# REVERSE), not both: with both listed (ea0501c) the benchmark's autotuned calls ran at 84.2
+# forward and 84.8 backward (bench/results/cumsum.json at 3ca00b9), below either direction's
+# pinned figures; the autotuner's few timings of each config need not tell apart tiles two
+# points apart. The same tile holding its next block in registers (PREFETCH, no cp.async) ran
+# at 49 to 63: the products want their operand in shared memory.
 _GLOBAL_TILES = [  # (BLOCK_T, BLOCK_C, num_warps, NUM_STAGES, SPLIT, USE_DOT, PREFETCH)
     (64, 32, 4, 3, 1, False, False),  # first: CumsumConfig()'s, what the interpreter runs
     (128, 32, 4, 3, 1, False, False),
@@ -542,12 +545,12 @@ _GLOBAL_TILES = [  # (BLOCK_T, BLOCK_C, num_warps, NUM_STAGES, SPLIT, USE_DOT, P
     (256, 16, 4, 3, 8, False, False),  # few, long walks (the two-pass path takes small inputs)
     (512, 8, 4, 3, 8, False, False),
 ]
-_GLOBAL_16_BIT_TILES = _GLOBAL_TILES + [
-    (64, 64, 8, 7, 1, True, False),  # the scan on the tensor cores: the forward's pick
-    (64, 64, 8, 8, 1, True, False),  # the reverse sum's (below)
-]
+_GLOBAL_16_BIT_TILES = {  # by REVERSE: the walk's tiles and one on the tensor cores (above)
+    False: _GLOBAL_TILES + [(64, 64, 8, 7, 1, True, False)],
+    True: _GLOBAL_TILES + [(64, 64, 8, 8, 1, True, False)],
+}
 _GLOBAL_CONFIGS = _configs(_GLOBAL_TILES)
-_GLOBAL_16_BIT_CONFIGS = _configs(_GLOBAL_16_BIT_TILES)
+_GLOBAL_16_BIT_CONFIGS = {reverse: _configs(t) for reverse, t in _GLOBAL_16_BIT_TILES.items()}
 
 
 @triton.jit
@@ -600,8 +603,9 @@ def chunk_global_cumsum_kernel(
 
 _global_autotuned = triton.autotune(configs=_GLOBAL_CONFIGS, key=["T", "C"])(
     chunk_global_cumsum_kernel)
-_global_16_bit_autotuned = triton.autotune(configs=_GLOBAL_16_BIT_CONFIGS, key=["T", "C"])(
-    chunk_global_cumsum_kernel)
+_global_16_bit_autotuned = {
+    reverse: triton.autotune(configs=configs, key=["T", "C"])(chunk_global_cumsum_kernel)
+    for reverse, configs in _GLOBAL_16_BIT_CONFIGS.items()}
 
 
 # Small inputs take the global cumsum in two passes instead (with config=None): the scalar gates
@@ -752,7 +756,8 @@ def _launch_rows(x, cu_seqlens, *, chunk_size, reverse, scale, head_first, out_d
         num_segments = num_seqs + 1 if varlen else 1
         kernel = chunk_global_cumsum_kernel
         if config is None:
-            kernel = _global_16_bit_autotuned if view.dtype.itemsize == 2 else _global_autotuned
+            kernel = (_global_16_bit_autotuned[bool(reverse)] if view.dtype.itemsize == 2
+                      else _global_autotuned)
         if config is not None:
             pinned.update(BLOCK_T=config.block_t, NUM_STAGES=config.num_stages, SPLIT=config.split,
                           USE_DOT=config.tensor_cores, PREFETCH=config.prefetch)

@@ -12,6 +12,9 @@ from ejk_lite import chunk_global_cumsum, chunk_local_cumsum
 from ejk_lite.cumsum import (_GLOBAL_16_BIT_TILES, _GLOBAL_TILES, _LOCAL_TILES, CumsumConfig,
                              reference_global_cumsum, reference_local_cumsum)
 
+# every tile of the global kernel's autotune lists, once (the 16-bit ones add the tensor cores')
+_ALL_GLOBAL_TILES = list(dict.fromkeys(t for tiles in _GLOBAL_16_BIT_TILES.values() for t in tiles))
+
 IMPLS = ["xla", "triton"]
 OPS = ["local", "global"]
 
@@ -376,7 +379,7 @@ def test_default_config_is_the_autotuners_first():
     import ejk_lite.cumsum as cumsum
 
     config = CumsumConfig()
-    for configs in (cumsum._GLOBAL_CONFIGS, cumsum._GLOBAL_16_BIT_CONFIGS):
+    for configs in (cumsum._GLOBAL_CONFIGS, *cumsum._GLOBAL_16_BIT_CONFIGS.values()):
         first = configs[0]
         assert (config.block_t, config.block_c, config.num_warps, config.num_stages, config.split,
                 config.tensor_cores, config.prefetch) == (
@@ -394,7 +397,8 @@ def test_configs_of_tiles():
     assert local.kwargs == {"BLOCK_T": 8, "BLOCK_C": 256, "NUM_STAGES": 3}
     assert (local.num_warps, local.num_stages) == (1, 3)
     for configs, tiles in [(cumsum._GLOBAL_CONFIGS, _GLOBAL_TILES),
-                           (cumsum._GLOBAL_16_BIT_CONFIGS, _GLOBAL_16_BIT_TILES)]:
+                           *[(cumsum._GLOBAL_16_BIT_CONFIGS[r], _GLOBAL_16_BIT_TILES[r])
+                             for r in (False, True)]]:
         assert len(configs) == len(tiles)
         for config, (block_t, block_c, num_warps, stages, split, dot, prefetch) in zip(configs, tiles):
             assert config.kwargs == {"BLOCK_T": block_t, "BLOCK_C": block_c, "NUM_STAGES": stages,
@@ -402,7 +406,8 @@ def test_configs_of_tiles():
             assert (config.num_warps, config.num_stages) == (num_warps, stages)
             assert not prefetch or stages == 1  # as CumsumConfig asks
     # 32-bit inputs never take the tensor cores (their products would be TF32); 16-bit ones may
-    assert not any(t[5] for t in _GLOBAL_TILES) and any(t[5] for t in _GLOBAL_16_BIT_TILES)
+    assert not any(t[5] for t in _GLOBAL_TILES)
+    assert all(any(t[5] for t in tiles) for tiles in _GLOBAL_16_BIT_TILES.values())
     assert any(t[6] for t in _GLOBAL_TILES)
 
 
@@ -422,7 +427,7 @@ def test_local_autotune_list_fits_the_chunk(chunk_size):
 
 
 @pytest.mark.parametrize("op, tile", [("local", t) for t in _LOCAL_TILES]
-                         + [("global", t) for t in _GLOBAL_16_BIT_TILES])
+                         + [("global", t) for t in _ALL_GLOBAL_TILES])
 def test_every_autotune_tile(rng, op, tile):
     """Each tile the autotuner may pick, pinned, gives the right sums (the interpreter runs only
     the first one when autotuning): packed sequences, columns not a multiple of the tile; the

@@ -45,7 +45,8 @@ from ejk_lite import chunk_global_cumsum  # noqa: E402
 from ejk_lite.cumsum import _GLOBAL_16_BIT_TILES, CumsumConfig  # noqa: E402
 
 x = f32(1, 150, 4, 40)
-for tile in [t for t in _GLOBAL_16_BIT_TILES if t[5]]:
+tiles = dict.fromkeys(t for ts in _GLOBAL_16_BIT_TILES.values() for t in ts)  # both directions'
+for tile in [t for t in tiles if t[5]]:
     for dtype, cu in [("bfloat16", None), ("float16", packed)]:
         cfg = CumsumConfig(*tile)
         jax.grad(lambda x: chunk_global_cumsum(x, cu_seqlens=cu, impl="triton", config=cfg)
@@ -56,7 +57,7 @@ for shape, head_first in [((2, 3, 150), True), ((2, 150, 3, 8), False)]:
                         config=cfg)
 # ... and its walks that hold the next block in registers (prefetch), likewise: the autotune
 # tiles that take it, float32 and bfloat16, and one on the tensor cores, split.
-for tile in [t for t in _GLOBAL_16_BIT_TILES if t[6]]:
+for tile in [t for t in tiles if t[6]]:
     for dtype, cu in [("float32", None), ("bfloat16", packed)]:
         cfg = CumsumConfig(*tile)
         jax.grad(lambda x: chunk_global_cumsum(x, cu_seqlens=cu, impl="triton", config=cfg)
