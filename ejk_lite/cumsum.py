@@ -520,14 +520,17 @@ def _local_autotuned(chunk_size: int):
 # the scan costs a few points, the tile's access pattern the rest.
 #
 # The 16-bit walk on the tensor cores, pinned (bench/_probe_cumsum_tiles.py, H200, bfloat16,
-# same shape, three passes a direction in one run, % of copy): forward 7 stages 87.2, 84.9,
-# 86.7 and 8 stages 84.3, 83.6, 84.2; reverse (the backward's sum) 7 stages 84.4, 85.2, 85.2
-# and 8 stages 86.6, 85.9, 86.7. So each direction lists its own (_GLOBAL_16_BIT_TILES, by
-# REVERSE), not both: with both listed (ea0501c) the benchmark's autotuned calls ran at 84.2
-# forward and 84.8 backward (bench/results/cumsum.json at 3ca00b9), below either direction's
-# pinned figures; the autotuner's few timings of each config need not tell apart tiles two
-# points apart. The same tile holding its next block in registers (PREFETCH, no cp.async) ran
-# at 49 to 63: the products want their operand in shared memory.
+# same shape, % of copy; two runs, three then two passes a direction): forward 7 stages 87.2,
+# 84.9, 86.7 | 86.7, 82.4 and 8 stages 84.3, 83.6, 84.2 | 83.7, 83.8; reverse (the backward's
+# sum) 7 stages 84.4, 85.2, 85.2 | 84.9, 85.3 and 8 stages 86.6, 85.9, 86.7 | 86.6, 84.2. Each
+# direction's tile was ahead in four passes of five, by 1.7 (forward) and 1.0 (reverse) points
+# on average, about the spread of one tile from pass to pass. So each direction lists its own
+# (_GLOBAL_16_BIT_TILES, by REVERSE): with both listed (ea0501c) the benchmark's autotuned
+# calls ran at 84.2 forward and 84.8 backward (bench/results/cumsum.json at 3ca00b9), with one
+# a direction at 85.1 and 85.1 (at af69362); the probe's autotuned calls in the second run
+# above, one list a direction, 86.5, 84.4 forward and 82.8, 85.0 reverse. The same tile holding
+# its next block in registers (PREFETCH, no cp.async) ran at 49 to 63: the products want their
+# operand in shared memory.
 _GLOBAL_TILES = [  # (BLOCK_T, BLOCK_C, num_warps, NUM_STAGES, SPLIT, USE_DOT, PREFETCH)
     (64, 32, 4, 3, 1, False, False),  # first: CumsumConfig()'s, what the interpreter runs
     (128, 32, 4, 3, 1, False, False),
