@@ -1,5 +1,5 @@
 """Probe (not a bench, no GPU needed): the sm_90 SASS of chunk_global_cumsum's walk on the
-tensor cores, compiled offline as jax-triton compiles it (pointers 16-byte aligned), at the
+tensor cores, compiled offline as jax-triton compiles it (tools/compile_check.py's compile_launch), at the
 benchmark's shape (bfloat16, C = 16 x 128 = 2048 columns, no packed sequences).
 
 Why: issue 19 wants the bf16 global vector cumsum at >= 85% of copy, and the package's walk sits
@@ -10,13 +10,16 @@ tl.cumsum one an infinite total falls back to) and of the main loop alone, the k
 loads and stores, and the shared memory a program asks for.
 
 What it gave (session 32, triton 3.6.0), at the listed forward tile 64 x 64, 8 warps, 7 stages:
-73728 bytes of shared memory; the main loop 148 instructions a thread per block of 4096 elements
-(0.29 warp instructions an element: not issue-bound), 8 HGMMA (the two products,
-64x32x16 per warpgroup), the store converted from the products' layout through shared memory
-(STS, BAR, LDS) to STG.E.128, loads LDGSTS.E.BYPASS.128 (cp.async, 16 bytes). The pipeliner
-carries six stages of 64 x 64 offset and mask tensors as loop state (40 IMAD, 17 ISETP, 8 P2R in
-the loop). 64 x 32 with 4 warps at 8 and 10 stages asks for 45056 and 53248 bytes
-(two programs an SM fit), 64 x 64 with 4 warps at 8 stages 81920.
+73728 bytes of shared memory; the main loop 164 instructions a thread per block of 4096 elements
+(0.32 warp instructions an element: not issue-bound), 8 HGMMA (the two products, 64x32x16 per
+warpgroup), 16 FMUL (the float scale, 1.0 by default, multiplied in at run time), the store
+converted from the products' layout through shared memory (STS, BAR, LDS) to STG.E.128, loads
+LDGSTS.E.BYPASS.128 (cp.async, 16 bytes). The pipeliner carries six stages of 64 x 64 offset and
+mask tensors as loop state (40 IMAD, 17 ISETP, 8 P2R in the loop); a scratch variant giving the
+load and the store a scalar base plus one loop-invariant offset tile (not kept, not timed)
+carried six i32 scalars instead and ran the loop in 141 instructions (142 reverse), no P2R.
+64 x 32 with 4 warps at 8 and 10 stages asks for 45056 and 53248 bytes (two programs an SM fit;
+loops of 167 and 179 instructions), 64 x 64 with 4 warps at 8 stages 81920 (294).
 
     python bench/_probe_cumsum_sass.py                       # the listed forward tile
     python bench/_probe_cumsum_sass.py --tile 64 32 4 8 --reverse --dump /tmp/walk
@@ -36,26 +39,26 @@ import jax
 # ejk_lite settles the interpreter at import by asking JAX for a GPU: say there is one, so that
 # its kernels are defined in compiled mode here (nothing is launched), as tools/compile_check.py.
 jax.devices = lambda *args, **kwargs: [type("PretendGpu", (), {"platform": "gpu"})()]
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
 import ejk_lite.cumsum as cumsum  # noqa: E402
 import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+from compile_check import compile_launch  # noqa: E402
 
 
-def compile_walk(block_t, block_c, num_warps, num_stages, reverse, columns=2048):
-    """The global kernel for one bfloat16 tile on the tensor cores, compiled for sm_90."""
-    constants = dict(num_seqs=1, scale=1, C=columns, BLOCK_T=block_t, BLOCK_C=block_c,
-                     NUM_STAGES=num_stages, SPLIT=1, USE_DOT=True, PREFETCH=False,
-                     REVERSE=reverse, IS_VARLEN=False, TOKENS_CONTIGUOUS=False)
-    signature = {"x_ptr": "*bf16", "cu_seqlens_ptr": "*i32", "T": "i32", "out_ptr": "*bf16"}
-    signature.update({name: "constexpr" for name in constants})
-    # jax-triton's arrays are 16-byte aligned, and T (4096 here) is divisible by 16
-    aligned = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 5)}
-    source = ASTSource(fn=cumsum.chunk_global_cumsum_kernel, signature=signature,
-                       constexprs=constants, attrs=aligned)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages})
+def compile_walk(block_t, block_c, num_warps, num_stages, reverse, tokens=4096, columns=2048):
+    """The global kernel for one bfloat16 tile on the tensor cores, compiled for sm_90 by
+    tools/compile_check.py from a launch as its recorder writes one (argument types as
+    jax-triton passes them: the arrays, T, num_seqs = 1, the float scale; then the output)."""
+    launch = dict(
+        args=[["*bfloat16", None], ["*int32", None], ["i32", tokens], ["i32", 1], ["fp64", None]],
+        outs=["*bfloat16"],
+        meta=dict(C=columns, BLOCK_T=block_t, BLOCK_C=block_c, NUM_STAGES=num_stages, SPLIT=1,
+                  USE_DOT=True, PREFETCH=False, REVERSE=reverse, IS_VARLEN=False,
+                  TOKENS_CONTIGUOUS=False, num_warps=num_warps, num_stages=num_stages))
+    compiled = []
+    compile_launch(cumsum.chunk_global_cumsum_kernel, launch, 90, compiled)
+    return compiled[0]
 
 
 def sass_of(kernel) -> str:
