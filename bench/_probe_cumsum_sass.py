@@ -10,16 +10,16 @@ tl.cumsum one an infinite total falls back to) and of the main loop alone, the k
 loads and stores, and the shared memory a program asks for.
 
 What it gave (session 32, triton 3.6.0), at the listed forward tile 64 x 64, 8 warps, 7 stages:
-73728 bytes of shared memory; the main loop 164 instructions a thread per block of 4096 elements
-(0.32 warp instructions an element: not issue-bound), 8 HGMMA (the two products, 64x32x16 per
-warpgroup), 16 FMUL (the float scale, 1.0 by default, multiplied in at run time), the store
-converted from the products' layout through shared memory (STS, BAR, LDS) to STG.E.128, loads
-LDGSTS.E.BYPASS.128 (cp.async, 16 bytes). The pipeliner carries six stages of 64 x 64 offset and
-mask tensors as loop state (40 IMAD, 17 ISETP, 8 P2R in the loop); a scratch variant giving the
-load and the store a scalar base plus one loop-invariant offset tile (not kept, not timed)
-carried six i32 scalars instead and ran the loop in 141 instructions (142 reverse), no P2R.
-64 x 32 with 4 warps at 8 and 10 stages asks for 45056 and 53248 bytes (two programs an SM fit;
-loops of 167 and 179 instructions), 64 x 64 with 4 warps at 8 stages 81920 (294).
+73728 bytes of shared memory; the main loop 148 instructions a thread per block of 4096 elements
+(0.29 warp instructions an element: not issue-bound; the reverse sum's tile, 8 stages, 138),
+8 HGMMA (the two products, 64x32x16 per warpgroup), the store converted from the products'
+layout through shared memory (STS, BAR, LDS) to STG.E.128, loads LDGSTS.E.BYPASS.128 (cp.async,
+16 bytes). The pipeliner carries six stages of 64 x 64 offset and mask tensors as loop state
+(40 IMAD, 17 ISETP, 8 P2R in the loop). A scratch variant giving the load and the store a
+scalar base plus one loop-invariant offset tile (not kept, not timed) carried six i32 scalars
+instead: 125 instructions both ways, no P2R, ISETP 9. 64 x 32 with 4 warps at 8 and 10 stages
+asks for 45056 and 53248 bytes (two programs an SM fit; loops of 151 and 163 instructions, 128
+in the variant at 8), 64 x 64 with 4 warps at 8 stages 81920 (262).
 
     python bench/_probe_cumsum_sass.py                       # the listed forward tile
     python bench/_probe_cumsum_sass.py --tile 64 32 4 8 --reverse --dump /tmp/walk
@@ -48,10 +48,12 @@ from compile_check import compile_launch  # noqa: E402
 
 def compile_walk(block_t, block_c, num_warps, num_stages, reverse, tokens=4096, columns=2048):
     """The global kernel for one bfloat16 tile on the tensor cores, compiled for sm_90 by
-    tools/compile_check.py from a launch as its recorder writes one (argument types as
-    jax-triton passes them: the arrays, T, num_seqs = 1, the float scale; then the output)."""
+    tools/compile_check.py from a launch as its recorder writes one: the arrays, T, num_seqs,
+    scale, then the output. jax-triton 0.3.1 makes every scalar equal to 1 a constant
+    (triton_lib.py: ``v == 1``), the default scale 1.0 too; compile_launch does that for ints
+    only, so the scale is given as the int 1."""
     launch = dict(
-        args=[["*bfloat16", None], ["*int32", None], ["i32", tokens], ["i32", 1], ["fp64", None]],
+        args=[["*bfloat16", None], ["*int32", None], ["i32", tokens], ["i32", 1], ["i32", 1]],
         outs=["*bfloat16"],
         meta=dict(C=columns, BLOCK_T=block_t, BLOCK_C=block_c, NUM_STAGES=num_stages, SPLIT=1,
                   USE_DOT=True, PREFETCH=False, REVERSE=reverse, IS_VARLEN=False,
