@@ -388,6 +388,35 @@ def test_default_config_is_the_autotuners_first():
     assert cumsum._local_configs(64)[0].kwargs["BLOCK_C"] == config.block_c
 
 
+def test_each_direction_takes_its_own_16_bit_list(monkeypatch):
+    """A 16-bit global walk launches the autotuner of its direction's list (the forward's
+    tensor-core tile at 7 stages, the reverse sum's at 8: the comment above _GLOBAL_TILES), a
+    float32 one the walk's list; the gradient, a reverse sum, takes the reverse list."""
+    import ejk_lite.cumsum as cumsum
+
+    launched = []
+
+    def spy(*args, kernel, **kwargs):
+        launched.append(kernel)
+        return triton_call(*args, kernel=kernel, **kwargs)
+
+    triton_call = cumsum.triton_call
+    monkeypatch.setattr(cumsum, "triton_call", spy)
+    # 8200 tokens: past the two-pass path's 128 chunks of 64, so one walk
+    x = jax.random.normal(jax.random.key(0), (1, 8200, 1), jnp.bfloat16)
+    for reverse in (False, True):
+        launched.clear()
+        chunk_global_cumsum(x, reverse=reverse, impl="triton")
+        assert launched == [cumsum._global_16_bit_autotuned[reverse]]
+    launched.clear()
+    jax.grad(lambda x: chunk_global_cumsum(x, impl="triton").astype(jnp.float32).sum())(x)
+    assert launched == [cumsum._global_16_bit_autotuned[False],
+                        cumsum._global_16_bit_autotuned[True]]
+    launched.clear()
+    chunk_global_cumsum(x.astype(jnp.float32), reverse=True, impl="triton")
+    assert launched == [cumsum._global_autotuned]
+
+
 def test_configs_of_tiles():
     """_configs turns the tile tuples of both kernels into triton.Configs (the global ones with
     SPLIT), one per tile."""
