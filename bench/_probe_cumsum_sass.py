@@ -49,11 +49,10 @@ from compile_check import compile_launch  # noqa: E402
 def compile_walk(block_t, block_c, num_warps, num_stages, reverse, tokens=4096, columns=2048):
     """The global kernel for one bfloat16 tile on the tensor cores, compiled for sm_90 by
     tools/compile_check.py from a launch as its recorder writes one: the arrays, T, num_seqs,
-    scale, then the output. jax-triton 0.3.1 makes every scalar equal to 1 a constant
-    (triton_lib.py: ``v == 1``), the default scale 1.0 too; compile_launch does that for ints
-    only, so the scale is given as the int 1."""
+    scale (the default 1.0, which jax-triton 0.3.1 and compile_launch make a constant, as every
+    scalar equal to 1), then the output."""
     launch = dict(
-        args=[["*bfloat16", None], ["*int32", None], ["i32", tokens], ["i32", 1], ["i32", 1]],
+        args=[["*bfloat16", None], ["*int32", None], ["i32", tokens], ["i32", 1], ["fp64", 1.0]],
         outs=["*bfloat16"],
         meta=dict(C=columns, BLOCK_T=block_t, BLOCK_C=block_c, NUM_STAGES=num_stages, SPLIT=1,
                   USE_DOT=True, PREFETCH=False, REVERSE=reverse, IS_VARLEN=False,

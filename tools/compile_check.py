@@ -6,8 +6,8 @@ and stops the compile on a GPU. This script closes that gap without a GPU:
 
 1. it executes the notebook (through nbclient, as nbmake does) with a recorder in front of
    ``ejk_lite``'s interpreter path, which notes each launch: kernel, argument types *as
-   jax-triton would pass them* (a Python ``float`` becomes ``fp64``, an ``int`` ``i32``, an
-   ``int`` equal to 1 a constant, arrays pointers to their dtype, 16-byte aligned) and
+   jax-triton would pass them* (a Python ``float`` becomes ``fp64``, an ``int`` ``i32``, any
+   scalar equal to 1 a constant, arrays pointers to their dtype, 16-byte aligned) and
    compile-time constants;
 2. it re-defines the notebook's ``@triton.jit`` functions in this process, where Triton is in
    compiled mode, and compiles each recorded launch to a cubin for the given architectures
@@ -63,11 +63,11 @@ _interpret = _launch._interpret
 
 def _arg_type(a):
     if isinstance(a, bool):
-        return ["i1", None]
+        return ["i1", a]
     if isinstance(a, int):
         return ["i32" if -2**31 <= a < 2**31 else "i64", a]
     if isinstance(a, float):
-        return ["fp64", None]                       # jax-triton: a Python float is fp64
+        return ["fp64", a]                          # jax-triton: a Python float is fp64
     return ["*" + str(_np.dtype(a.dtype)), None]
 
 
@@ -180,7 +180,9 @@ def compile_launch(fn, launch: dict, arch: int, compiled: list | None = None) ->
     for name, (t, value) in zip(names, types):
         if t.startswith("*"):
             t = "*" + TRITON_TYPES[t[1:]]
-        if value == 1 and t in ("i32", "i64"):         # jax-triton makes an int 1 a constant
+        # jax-triton 0.3.1 makes every scalar equal to 1 a constant (triton_lib.py: v == 1):
+        # an int 1, a float 1.0 (the default scale of the cumsums), True.
+        if value is not None and value == 1 and not t.startswith("*"):
             signature[name], constexprs[name] = "constexpr", 1
         else:
             signature[name] = t
