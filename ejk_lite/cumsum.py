@@ -160,26 +160,17 @@ def _span_total(
 
 
 @triton.jit
-def _walk_offsets(cols, T, C: tl.constexpr, BLOCK_T: tl.constexpr, REVERSE: tl.constexpr,
-                  TOKENS_CONTIGUOUS: tl.constexpr):
-    """``[BLOCK_T, BLOCK_C]`` offsets of a block of the walk from its first token: row ``i`` is
-    ``i`` tokens on (back, ``REVERSE``). The same for every block: computed once a walk."""
-    r = tl.arange(0, BLOCK_T)
-    return _offsets(-r if REVERSE else r, cols, T, C, TOKENS_CONTIGUOUS)
-
-
-@triton.jit
-def _block(first, start, end, col_mask, C: tl.constexpr, BLOCK_T: tl.constexpr,
+def _block(first, start, end, cols, col_mask, T, C: tl.constexpr, BLOCK_T: tl.constexpr,
            REVERSE: tl.constexpr, TOKENS_CONTIGUOUS: tl.constexpr):
-    """``(shift, mask)`` of the block ``first`` tokens into the walk of ``[start, end)`` (from
-    ``end - 1`` backwards, ``REVERSE``): its elements sit at ``shift + _walk_offsets(...)``.
-
-    ``shift`` is a scalar, so a pipelined loop carries one number a stage where it carried a
-    ``[BLOCK_T, BLOCK_C]`` tile of offsets (see ``_scan_blocks``)."""
-    token = end - 1 - first if REVERSE else start + first
-    shift = token if TOKENS_CONTIGUOUS else token * C
-    mask = (tl.arange(0, BLOCK_T)[:, None] < end - start - first) & col_mask[None, :]
-    return shift, mask
+    """``(offsets, mask)`` of the block ``first`` tokens into the walk of ``[start, end)``
+    (from ``end - 1`` backwards, ``REVERSE``): row ``i`` is the ``first + i``-th token walked."""
+    if REVERSE:
+        tokens = end - 1 - first - tl.arange(0, BLOCK_T)
+    else:
+        tokens = start + first + tl.arange(0, BLOCK_T)
+    offsets = _offsets(tokens, cols, T, C, TOKENS_CONTIGUOUS)
+    mask = (tokens[:, None] >= start) & (tokens[:, None] < end) & col_mask[None, :]
+    return offsets, mask
 
 
 @triton.jit
@@ -209,21 +200,21 @@ def _scan_blocks(
         ones = tl.full([BLOCK_T, BLOCK_T], 1.0, x_ptr.dtype.element_ty)
         carry = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32) + carry[None, :]
     STAGES: tl.constexpr = 1 if PREFETCH else NUM_STAGES
-    walk = _walk_offsets(cols, T, C, BLOCK_T, REVERSE, TOKENS_CONTIGUOUS)
     if PREFETCH:
-        shift, mask = _block(0, start, end, col_mask, C, BLOCK_T, REVERSE, TOKENS_CONTIGUOUS)
-        ahead = tl.load(x_ptr + shift + walk, mask=mask & keep, other=0.0)
+        offsets, mask = _block(0, start, end, cols, col_mask, T, C, BLOCK_T, REVERSE,
+                               TOKENS_CONTIGUOUS)
+        ahead = tl.load(x_ptr + offsets, mask=mask & keep, other=0.0)
     for first in tl.range(0, end - start, BLOCK_T, num_stages=STAGES):
-        shift, mask = _block(first, start, end, col_mask, C, BLOCK_T, REVERSE,
-                             TOKENS_CONTIGUOUS)
+        offsets, mask = _block(first, start, end, cols, col_mask, T, C, BLOCK_T, REVERSE,
+                               TOKENS_CONTIGUOUS)
         # Masked tokens load as 0: they add nothing to the sums of the tokens that are kept.
         if PREFETCH:
             x = ahead
-            following, following_mask = _block(first + BLOCK_T, start, end, col_mask, C,
-                                                BLOCK_T, REVERSE, TOKENS_CONTIGUOUS)
-            ahead = tl.load(x_ptr + following + walk, mask=following_mask & keep, other=0.0)
+            following, following_mask = _block(first + BLOCK_T, start, end, cols, col_mask, T,
+                                               C, BLOCK_T, REVERSE, TOKENS_CONTIGUOUS)
+            ahead = tl.load(x_ptr + following, mask=following_mask & keep, other=0.0)
         else:
-            x = tl.load(x_ptr + shift + walk, mask=mask & keep, other=0.0)
+            x = tl.load(x_ptr + offsets, mask=mask & keep, other=0.0)
         if DOT:
             sums = tl.dot(lower, x, carry)
             carry = tl.dot(ones, x, carry)
@@ -231,13 +222,7 @@ def _scan_blocks(
             x = x.to(tl.float32)
             sums = tl.cumsum(x, axis=0) + carry[None, :]
             carry += tl.sum(x, axis=0)
-        # The rows of ``mask`` again, in a form of their own: with ``mask`` here the pipeliner
-        # carries a [BLOCK_T, BLOCK_C] tile of predicates from the load's stage to the store's
-        # (sm_90 SASS of the listed forward 16-bit tile, bench/_probe_cumsum_sass.py: the loop
-        # 135 instructions a thread with it, 129 with this; 148 with tiles of offsets too).
-        written = (tl.arange(0, BLOCK_T)[:, None] + first < end - start) & col_mask[None, :]
-        tl.store(out_ptr + shift + walk, (sums * scale).to(out_ptr.dtype.element_ty),
-                 mask=written)
+        tl.store(out_ptr + offsets, (sums * scale).to(out_ptr.dtype.element_ty), mask=mask)
     return carry
 
 
