@@ -527,18 +527,10 @@ def _local_autotuned(chunk_size: int):
 # on average, about the spread of one tile from pass to pass. So each direction lists its own
 # (_GLOBAL_16_BIT_TILES, by REVERSE): with both listed (ea0501c) the benchmark's autotuned
 # calls ran at 84.2 forward and 84.8 backward (bench/results/cumsum.json at 3ca00b9), with one
-# a direction at 85.1 and 85.1 (at af69362; two more runs of the same code, 84.0 and 84.9, 85.2
-# and 84.6: at the 85% line, not clear of it); the probe's autotuned calls in the second run
+# a direction at 85.1 and 85.1 (at af69362); the probe's autotuned calls in the second run
 # above, one list a direction, 86.5, 84.4 forward and 82.8, 85.0 reverse. The same tile holding
 # its next block in registers (PREFETCH, no cp.async) ran at 49 to 63: the products want their
-# operand in shared memory. Nor does the loop's length look like the limit: addressing a block as
-# a scalar shift plus one offset tile computed once (8a44637, reverted) let the pipeliner carry
-# scalars instead of six stages of offset and mask tiles, and cut the loop from 148 to 129
-# instructions a thread forward, 138 to 125 reverse (bench/_probe_cumsum_sass.py), but in one
-# run (three passes each, old and new in turn) forward 7 stages went from 87.3, 85.4, 88.2 to
-# 85.5, 83.5, 85.7 and reverse 8 stages from 86.8, 85.4, 84.9 to 84.0, 86.4, 84.6. With that
-# walk, 64 x 32 with 4 warps (256 programs) ran at 77 to 79 at 8 and 10 stages, and 64 x 64 with
-# 4 warps at 8 stages at 83.7 to 87.0, a spread as wide as the gain sought.
+# operand in shared memory.
 _GLOBAL_TILES = [  # (BLOCK_T, BLOCK_C, num_warps, NUM_STAGES, SPLIT, USE_DOT, PREFETCH)
     (64, 32, 4, 3, 1, False, False),  # first: CumsumConfig()'s, what the interpreter runs
     (128, 32, 4, 3, 1, False, False),
