@@ -103,6 +103,7 @@ import peers  # noqa: E402
 from common import (  # noqa: E402
     Run,
     ceilings,
+    commit,
     compare,
     forward_and_backward,
     matmul_tflops,
@@ -551,9 +552,13 @@ def merge(path: Path, payload: dict) -> dict:
     if not path.exists():
         return payload
     old = json.loads(path.read_text())
-    if old.get("commit") != payload.get("commit"):
+    # A run's payload has no commit and no command yet (write_result adds them): compare with
+    # the ones it will get. (A whole result file, merged by hand, has its own.)
+    this_commit = payload.get("commit") or commit()
+    command = payload.get("command") or " ".join(sys.argv)
+    if old.get("commit") != this_commit:
         raise SystemExit(f"--merge: {path} is of commit {old.get('commit')}, this run of "
-                         f"{payload.get('commit')}; one file holds one commit's figures")
+                         f"{this_commit}; one file holds one commit's figures")
     names = {r["name"] for r in payload["rows"]}
     rows = [r for r in old.get("rows", []) if r["name"] not in names] + payload["rows"]
     merged = dict(payload, rows=rows, summary=summarize(rows))
@@ -563,7 +568,10 @@ def merge(path: Path, payload: dict) -> dict:
     merged["not_run"] = {**{c: r for c, r in old.get("not_run", {}).items()
                             if not any(c.startswith(n + " ") for n in names)}, **payload["not_run"]}
     merged["failures"] = payload["failures"]
-    merged["commands"] = old.get("commands", [old["command"]]) + [payload["command"]]
+    # save() merges after every case, into the file it wrote after the case before: this run's
+    # command once, last.
+    merged["commands"] = [c for c in old.get("commands", [old["command"]]) if c != command] + [
+        command]
     return merged
 
 
