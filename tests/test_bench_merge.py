@@ -5,22 +5,34 @@ recorded bench/results/attention.json, split by shape: no GPU, nothing timed."""
 from __future__ import annotations
 
 import copy
+import importlib
 import json
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
-
-import attention  # noqa: E402  (bench/attention.py)
-
 RECORDED = json.loads((ROOT / "bench" / "results" / "attention.json").read_text())
 LAST_SHAPE = "B1 Hq16 Hkv16 T32768"
+MEMORY = "XLA_PYTHON_CLIENT_MEM_FRACTION"  # bench/attention.py sets a default of its own
 
 
-def split_recorded():
+@pytest.fixture
+def attention(monkeypatch):
+    """bench/attention.py, for one test: what its import changes in the process (bench/ first on
+    sys.path, its modules, a JAX memory fraction for the GPU workers) is undone after it."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # restores the whole of sys.path after
+    monkeypatch.setitem(os.environ, MEMORY, os.environ.get(MEMORY, "0.85"))
+    before = set(sys.modules)
+    yield importlib.import_module("attention")
+    for name in set(sys.modules) - before:
+        if str(ROOT / "bench") in str(getattr(sys.modules[name], "__file__", "") or ""):
+            del sys.modules[name]
+
+
+def split_recorded(attention):
     """(the file of a first run: every shape but the last; what a second run's save() builds:
     the last shape's rows, no commit and no command, which write_result adds)."""
     first = copy.deepcopy(RECORDED)
@@ -35,8 +47,8 @@ def split_recorded():
     return first, payload
 
 
-def test_a_run_merges_into_the_file_of_its_commit(tmp_path, monkeypatch):
-    first, payload = split_recorded()
+def test_a_run_merges_into_the_file_of_its_commit(attention, tmp_path, monkeypatch):
+    first, payload = split_recorded(attention)
     assert first["rows"] and payload["rows"]
     path = tmp_path / "attention.json"
     path.write_text(json.dumps(first))
@@ -57,8 +69,8 @@ def test_a_run_merges_into_the_file_of_its_commit(tmp_path, monkeypatch):
     assert again["commands"] == merged["commands"] and again["rows"] == merged["rows"]
 
 
-def test_a_run_of_another_commit_is_refused(tmp_path, monkeypatch):
-    first, payload = split_recorded()
+def test_a_run_of_another_commit_is_refused(attention, tmp_path, monkeypatch):
+    first, payload = split_recorded(attention)
     path = tmp_path / "attention.json"
     path.write_text(json.dumps(first))
     monkeypatch.setenv("EJK_COMMIT", "0" * 40)
